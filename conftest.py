@@ -1,0 +1,101 @@
+"""Shared pytest fixtures: launch the scripts the way users do, on CPU with gloo, always bounded.
+
+Every launch runs in its own process session so that a timeout (or a failing test)
+ends the launcher *and* every worker it started: no test leaves processes behind.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+
+
+def torchrun_cmd():
+    """The `torchrun` that belongs to this interpreter (fallback: the same module via -m)."""
+    exe = Path(sys.executable).parent / "torchrun"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def cpu_env(**extra):
+    """The environment of a CPU-only user: no GPU visible, no leftover rendezvous variables."""
+    env = dict(os.environ)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT"):
+        env.pop(name, None)
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Result:
+    def __init__(self, cmd, returncode, stdout, stderr):
+        self.cmd, self.returncode, self.stdout, self.stderr = cmd, returncode, stdout, stderr
+
+    def __str__(self):
+        return (f"$ {' '.join(map(str, self.cmd))}\nexit {self.returncode}\n"
+                f"--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}")
+
+
+def kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_bounded(cmd, cwd, timeout=120, env=None, check=True):
+    """Run `cmd` in a new session; kill the whole session at `timeout`; fail loudly with its output."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or cpu_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s\n{Result(cmd, None, out, err)}")
+    finally:
+        kill_group(proc)  # workers a launcher left behind go with it
+    result = Result(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        pytest.fail(f"expected exit 0\n{result}")
+    return result
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """launch(args, timeout=..., env=..., check=True): run in a temporary directory, return a Result."""
+    def _launch(cmd, timeout=120, env=None, check=True, cwd=None):
+        return run_bounded(cmd, cwd or tmp_path, timeout=timeout, env=env, check=check)
+    return _launch
+
+
+@pytest.fixture
+def script():
+    """script("ddp_gpus.py") -> absolute path of a script in the repository."""
+    return lambda name: str(ROOT / name)
+
+
+@pytest.fixture
+def torchrun():
+    return torchrun_cmd()
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def metrics():
+    """metrics(path) -> the JSON object a script wrote with --metrics."""
+    return read_metrics
