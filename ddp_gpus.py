@@ -24,7 +24,6 @@ the same trainer launched by torchrun, with an elastic snapshot.
 import argparse
 import gc
 import json
-import math
 import os
 import socket
 import sys

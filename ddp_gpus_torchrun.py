@@ -10,7 +10,8 @@ restarted by torchrun and continues from the last snapshot instead of from scrat
 Launch:
     torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --max_epochs 5 --batch_size 32
     torchrun --standalone --nproc-per-node=gpu ddp_gpus_torchrun.py          # every GPU
-    torchrun --nproc-per-node=2 --max-restarts=3 ddp_gpus_torchrun.py        # survive failures
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+        torchrun --nproc-per-node=2 --max-restarts=3 ddp_gpus_torchrun.py    # survive failures (see below)
     torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 \
         --nproc-per-node=8 ddp_gpus_torchrun.py          # on each node, --node-rank=0/1
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --device cpu
@@ -18,6 +19,9 @@ Launch:
 
 A snapshot is resumed whenever `--snapshot_path` exists: delete it to start afresh.
 On several nodes the path must be on a file system every node sees.
+With torch 2.14, torchrun reuses its rendezvous store across restarts and restarted gloo
+workers read the dead workers' addresses ("Gloo connectFullMesh failed ... Connection
+refused"); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a fresh store.
 
 Nearest sibling: ddp_gpus.py (mp.spawn). `diff ddp_gpus.py ddp_gpus_torchrun.py` shows
 the launch (environment instead of spawn arguments) and the snapshot, nothing else.
@@ -27,7 +31,6 @@ the launch (environment instead of spawn arguments) and the snapshot, nothing el
 import argparse
 import gc
 import json
-import math
 import os
 import socket
 import sys
@@ -132,6 +135,12 @@ def setup(args):
         # without LOCAL_WORLD_SIZE (a hand-made launch) assume every rank is on this machine
         torch.set_num_threads(cpu_threads(env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))))
         device = torch.device("cpu")
+    if env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and the restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        if env_int("RANK", 0) == 0:
+            print("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+                  "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr, flush=True)
     dist.init_process_group(args.backend, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1),
                             timeout=timedelta(seconds=args.timeout))
     return device

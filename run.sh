@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# Every launch mode of the collection, runnable on this machine.
+#
+#   bash run.sh              run every mode (GPUs with NCCL when present, else 2 CPU processes with gloo)
+#   bash run.sh MODE...      run the named modes
+#   bash run.sh --help       list the modes
+#
+# Each mode prints a header, the script's own output and a PASS/FAIL line that checks
+# the metrics the script wrote (training finished, loss fell, replicas in sync).
+# The exit code is non-zero when any mode failed. Work files go to a temporary
+# directory that is removed at the end (keep it with KEEP_WORK=1).
+set -uo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY="${PYTHON:-python3}"
+if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=("$PY" -m torch.distributed.run); fi
+
+# ---------------------------------------------------------------- machine
+NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+if [ "$NGPU" -gt 0 ]; then
+    N="$NGPU"; DEVICE=cuda
+else
+    N=2; DEVICE=cpu
+fi
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ddp-run.XXXXXX")"
+cleanup() {
+    # no worker of ours outlives the script, even after Ctrl-C or a failed mode
+    pkill -P $$ >/dev/null 2>&1 || true
+    if [ "${KEEP_WORK:-0}" = 1 ]; then echo "work files kept in $WORK"; else rm -rf "$WORK"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+    "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# check_metrics FILE [PYTHON-CONDITION...]: the run finished, the loss fell, replicas agree
+check_metrics() {
+    local file="$1"; shift
+    "$PY" - "$file" "$@" <<'EOF'
+import json, math, sys
+path, extra = sys.argv[1], sys.argv[2:]
+try:
+    m = json.load(open(path))
+except (OSError, ValueError) as e:
+    sys.exit(f"FAIL: no metrics ({e})")
+checks = ["m['replicas_in_sync'] is True"] + (extra or ["m['final_loss'] < m['first_loss']"])
+bad = [c for c in checks if not eval(c, {"m": m, "math": math})]
+summary = ", ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m.get(k)}"
+                    for k in ("world_size", "backend", "epochs", "steps", "first_loss", "final_loss",
+                              "resumed_from_epoch", "restarts") if k in m)
+if bad:
+    sys.exit(f"FAIL: {'; '.join(bad)} ({summary})")
+print(f"ok: {summary}")
+EOF
+}
+
+# ---------------------------------------------------------------- modes
+declare -A DESC
+MODES=()
+mode() { MODES+=("$1"); DESC[$1]="$2"; }
+
+mode minimal "ddp_minimal.py: one DDP step with mp.spawn, replicas identical"
+run_minimal() {
+    "$PY" "$HERE/ddp_minimal.py" --metrics m.json && check_metrics m.json "m['parameters_changed'] is True"
+}
+
+mode spawn "ddp_gpus.py: mp.spawn, one process per GPU (2 on CPU)"
+run_spawn() {
+    "$PY" "$HERE/ddp_gpus.py" --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
+}
+
+mode torchrun "ddp_gpus_torchrun.py: torchrun --standalone --nproc-per-node=$N"
+run_torchrun() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_gpus_torchrun.py" \
+        --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
+}
+
+mode torchrun-single "ddp_gpus_torchrun.py: plain torchrun, one process"
+run_torchrun-single() {
+    "${TORCHRUN[@]}" "$HERE/ddp_gpus_torchrun.py" --max_epochs 5 --batch_size 32 --metrics m.json \
+        && check_metrics m.json "m['world_size'] == 1" "m['final_loss'] < m['first_loss']"
+}
+
+mode launch "ddp_gpus_torchrun.py: the deprecated python -m torch.distributed.launch"
+run_launch() {
+    # passes --local-rank=N to the script (which accepts it); prints a FutureWarning
+    "$PY" -m torch.distributed.launch --nproc-per-node="$N" "$HERE/ddp_gpus_torchrun.py" \
+        --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
+}
+
+mode manual "ddp_gpus_torchrun.py: $N processes started by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
+run_manual() {
+    # the seeds' two-machine recipe on one machine: each process is told its place in the job
+    local port pids=() rc=0 r
+    port="$(free_port)"
+    for ((r = 0; r < N; r++)); do
+        RANK=$r LOCAL_RANK=$r WORLD_SIZE=$N MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+            "$PY" "$HERE/ddp_gpus_torchrun.py" --max_epochs 5 --batch_size 32 --metrics m.json &
+        pids+=($!)
+    done
+    for r in "${pids[@]}"; do wait "$r" || rc=1; done
+    [ $rc = 0 ] && check_metrics m.json "m['world_size'] == $N" "m['final_loss'] < m['first_loss']"
+}
+
+mode nodes "ddp_gpus_torchrun.py: two torchrun agents as two nodes (--nnodes=2 --node-rank=0/1) on 127.0.0.1"
+run_nodes() {
+    local port per_node=$((N / 2)) dev=() a b
+    port="$(free_port)"
+    if [ "$per_node" -lt 1 ]; then per_node=1; dev=(--device cpu); fi  # one GPU cannot host two ranks
+    for node in 0 1; do
+        "${TORCHRUN[@]}" --nnodes=2 --node-rank=$node --nproc-per-node=$per_node \
+            --master-addr=127.0.0.1 --master-port="$port" "$HERE/ddp_gpus_torchrun.py" \
+            --max_epochs 5 --batch_size 32 --metrics m.json "${dev[@]}" &
+        [ $node = 0 ] && a=$! || b=$!
+    done
+    wait "$a" && wait "$b" && check_metrics m.json "m['world_size'] == $((2 * per_node))" \
+        "m['final_loss'] < m['first_loss']"
+}
+
+mode restart "ddp_gpus_torchrun.py: torchrun --max-restarts=3; a worker is killed, the job resumes from its snapshot"
+run_restart() {
+    # a bigger data set so that an epoch lasts long enough to kill a worker in the middle of one
+    local agent worker i
+    # a fresh rendezvous store per restart: with the shared one (torch >= 2.5) restarted gloo
+    # workers read the dead workers' addresses and cannot connect (pytorch#135712)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
+        --max_epochs 4 --samples 32768 --batch_size 16 --metrics m.json &
+    agent=$!
+    for ((i = 0; i < 600; i++)); do [ -e snapshot.pt ] && break; sleep 0.1; done
+    worker="$(pgrep -P "$agent" | tail -1)"
+    if [ -z "$worker" ]; then echo "FAIL: no worker to kill"; wait "$agent"; return 1; fi
+    echo ">>> snapshot written; killing worker $worker with SIGKILL"
+    kill -9 "$worker"
+    wait "$agent" && check_metrics m.json "m['restarts'] >= 1" "m['resumed_from_epoch'] >= 1" "m['epochs'] == 4"
+}
+
+# ---------------------------------------------------------------- driver
+usage() {
+    echo "usage: bash run.sh [MODE...]    (no MODE: all of them)"
+    echo "machine: $N x $DEVICE"
+    echo "modes:"
+    for m in "${MODES[@]}"; do printf '  %-16s %s\n' "$m" "${DESC[$m]}"; done
+}
+
+main() {
+    local selected=() results=() failed=0 m start rc
+    for m in "$@"; do
+        case "$m" in
+            -h|--help|help) usage; return 0 ;;
+            *) if [ -z "${DESC[$m]+x}" ]; then echo "error: unknown mode '$m' (bash run.sh --help lists them)" >&2; return 2; fi
+               selected+=("$m") ;;
+        esac
+    done
+    [ ${#selected[@]} -eq 0 ] && selected=("${MODES[@]}")
+    echo "run.sh: ${#selected[@]} mode(s) on $N x $DEVICE | work files in $WORK"
+    for m in "${selected[@]}"; do
+        echo
+        echo "================ $m: ${DESC[$m]}"
+        mkdir -p "$WORK/$m"
+        start=$SECONDS
+        (cd "$WORK/$m" && "run_$m")
+        rc=$?
+        if [ $rc = 0 ]; then results+=("PASS  $m ($((SECONDS - start)) s)")
+        else results+=("FAIL  $m ($((SECONDS - start)) s, exit $rc)"); failed=$((failed + 1)); fi
+        echo "---------------- ${results[-1]}"
+    done
+    echo
+    echo "================ summary"
+    printf '%s\n' "${results[@]}"
+    echo "$(( ${#selected[@]} - failed )) passed, $failed failed"
+    [ $failed = 0 ]
+}
+
+main "$@"
