@@ -1,0 +1,498 @@
+"""Multi-host DDP for real, on one machine: two network namespaces as hosts, and a one-node SLURM.
+
+Two "hosts" are two Linux network namespaces joined by a veth pair (10.77.0.1 and
+10.77.0.2 on an interface called ddp0 in each, with hostnames ddp-host0/ddp-host1 from
+a UTS namespace and an /etc/hosts of their own). Nothing else lives in them: no
+loopback shortcut, no route out, so the training traffic can only cross the veth, and
+the veth's byte counters prove that it did. One torchrun agent runs in each host, with
+GLOO_SOCKET_IFNAME=ddp0 so gloo binds the veth.
+
+The SLURM test starts a private one-node cluster (its own munged, slurmctld and slurmd,
+configuration, ports and state in a temporary directory), submits slurm/train.sbatch with
+sbatch and checks the job's output. Every daemon it starts is stopped at the end.
+
+Both need root; they skip with the reason when it, iproute2 or slurm-wlm/munge is
+missing (.ci/setup_multihost.sh installs them). Every subprocess is bounded.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cpu_env, kill_group, torchrun_cmd
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="network namespaces and SLURM need Linux")
+
+IFACE = "ddp0"
+ADDRS = ("10.77.0.1", "10.77.0.2")  # only ever configured inside our own namespaces
+HOSTNAMES = ("ddp-host0", "ddp-host1")
+NS_PREFIX = "ddpmh"
+SLURM_BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
+
+
+def sh(cmd, timeout=30, check=True, env=None, cwd=None):
+    """A short helper command, bounded; returns the CompletedProcess."""
+    try:
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(map(str, cmd))}: timed out after {timeout} s") from e
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))}: exit {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def tail(path, n=4000):
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError as e:
+        return f"<{e}>"
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- two hosts in network namespaces
+class TwoHosts:
+    """Two network namespaces joined by a veth pair; `command(i, argv)` runs argv on host i."""
+
+    def __init__(self, tag):
+        self.ns = [f"{NS_PREFIX}{tag}h{i}" for i in range(2)]
+        self.created = []
+
+    def setup(self):
+        for ns in self.ns:
+            sh(["ip", "netns", "add", ns])
+            self.created.append(ns)
+        # both ends are created straight inside the namespaces: the root namespace never sees them
+        sh(["ip", "link", "add", IFACE, "netns", self.ns[0], "type", "veth",
+            "peer", "name", IFACE, "netns", self.ns[1]])
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(ADDRS, HOSTNAMES))
+        for ns, addr in zip(self.ns, ADDRS):
+            sh(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", IFACE])
+            sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+            sh(["ip", "-n", ns, "link", "set", IFACE, "up"])
+            # `ip netns exec NS` bind-mounts /etc/netns/NS/hosts over /etc/hosts
+            etc = Path("/etc/netns", ns)
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(hosts)
+
+    def command(self, i, argv):
+        """argv run on host i: its network namespace, and its own hostname (a UTS namespace)."""
+        return ["ip", "netns", "exec", self.ns[i], "unshare", "--uts", "sh", "-c",
+                'hostname "$0" && exec "$@"', HOSTNAMES[i], *map(str, argv)]
+
+    def pids(self, i):
+        out = sh(["ip", "netns", "pids", self.ns[i]], check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def veth_bytes(self, i):
+        """(received, sent) bytes on host i's veth."""
+        link = json.loads(sh(["ip", "-n", self.ns[i], "-s", "-j", "link", "show", IFACE]).stdout)[0]
+        stats = link.get("stats64", link.get("stats"))
+        return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+    def teardown(self):
+        """Kill whatever still runs in the namespaces, then delete them (the veth goes with them)."""
+        for ns in self.created:
+            out = sh(["ip", "netns", "pids", ns], check=False).stdout
+            for pid in map(int, out.split()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for ns in self.created:
+            sh(["ip", "netns", "del", ns], check=False)
+            shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
+        self.created = []
+
+
+def remove_stale_namespaces():
+    """Namespaces of an earlier run that was killed before its finalizer ran."""
+    out = sh(["ip", "netns", "list"], check=False).stdout
+    for m in re.finditer(rf"^({NS_PREFIX}(\d+)x\w*h[01])\b", out, re.M):
+        if not pid_alive(int(m.group(2))):
+            sh(["ip", "netns", "del", m.group(1)], check=False)
+            shutil.rmtree(Path("/etc/netns", m.group(1)), ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hosts(request):
+    if os.geteuid() != 0:
+        pytest.skip("needs root: creating network namespaces (ip netns add) is root-only")
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        pytest.skip("needs iproute2 (ip) and util-linux (unshare): run .ci/setup_multihost.sh")
+    remove_stale_namespaces()
+    two = TwoHosts(f"{os.getpid()}x{uuid.uuid4().hex[:3]}")
+    request.addfinalizer(two.teardown)  # registered first: runs even when setup fails half-way
+    try:
+        two.setup()
+        sh(two.command(0, ["true"]))
+    except RuntimeError as e:
+        pytest.skip(f"network namespaces are not available here: {e}")
+    return two
+
+
+def run_on_hosts(hosts, tmp_path, argvs, env, timeout, stagger=0.0):
+    """Start argvs[i] on host i (None: that host stays down), wait for all, bounded.
+
+    Returns {i: (exit code, stdout, stderr)}. On timeout every process is killed and the
+    test fails with all outputs. Each host gets its own working directory, as real hosts
+    have their own disks.
+    """
+    procs, files = {}, {}
+    try:
+        for i, argv in enumerate(argvs):
+            if argv is None:
+                continue
+            if procs and stagger:
+                time.sleep(stagger)
+            workdir = tmp_path / f"host{i}"
+            workdir.mkdir(exist_ok=True)
+            out, err = open(workdir / "stdout", "w+"), open(workdir / "stderr", "w+")
+            files[i] = (out, err)
+            procs[i] = subprocess.Popen(hosts.command(i, argv), cwd=workdir, env=env, stdout=out,
+                                        stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        for i, proc in procs.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for p in procs.values():
+                    kill_group(p)
+                pytest.fail(f"timed out after {timeout} s\n" + outputs(files, procs))
+        return {i: (p.returncode, *read_back(files[i])) for i, p in procs.items()}
+    finally:
+        for p in procs.values():
+            kill_group(p)
+            p.wait(timeout=30)
+        for out, err in files.values():
+            out.close()
+            err.close()
+
+
+def read_back(pair):
+    texts = []
+    for f in pair:
+        f.flush()
+        f.seek(0)
+        texts.append(f.read())
+    return texts
+
+
+def outputs(files, procs):
+    parts = []
+    for i, pair in files.items():
+        out, err = read_back(pair)
+        parts.append(f"--- host{i} exit {procs[i].returncode}\n--- stdout\n{out[-3000:]}\n"
+                     f"--- stderr\n{err[-3000:]}")
+    return "\n".join(parts)
+
+
+def host_env():
+    """A CPU user's environment on each host; gloo must bind the veth, not what the hostname says."""
+    return cpu_env(GLOO_SOCKET_IFNAME=IFACE, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+
+
+def assert_trained_across(hosts, results, metrics_path, world_size, nproc_per_node, before,
+                          rank_lines=True):
+    describe = "\n".join(f"--- host{i} exit {code}\n{out[-2500:]}\n--- stderr\n{err[-2500:]}"
+                         for i, (code, out, err) in results.items())
+    assert all(code == 0 for code, _, _ in results.values()), describe
+    assert "replicas: in sync" in results[0][1] and "done:" in results[0][1], describe
+    # host 1 ran the ranks after host 0's (ddp_gpus_torchrun.py: each rank prints its epoch lines)
+    for rank in range(nproc_per_node, world_size if rank_lines else 0):
+        assert re.search(rf"\b{rank}\]", results[1][1]), f"rank {rank} did not run on host 1\n{describe}"
+    m = json.loads(Path(metrics_path).read_text())
+    assert m["world_size"] == world_size and m["replicas_in_sync"] is True, m
+    assert m["final_loss"] < m["first_loss"], m
+    # the gradients crossed the veth: far more than the rendezvous' few kilobytes each way
+    after = [hosts.veth_bytes(i) for i in range(2)]
+    for i in range(2):
+        received, sent = (a - b for a, b in zip(after[i], before[i]))
+        assert received > 50_000 and sent > 50_000, f"host{i} veth: {received} B in, {sent} B out"
+    # torchrun ended its workers: nothing of the job runs on either host
+    assert hosts.pids(0) == [] and hosts.pids(1) == []
+
+
+# (script, arguments, processes per host, seconds): small runs, CPU, gloo
+SCRIPTS = {
+    "ddp_gpus_torchrun.py": (["--device", "cpu", "--epochs", "3", "--snapshot_path", "snapshot.pt"], 2),
+    "ddp_transformer.py": (["--device", "cpu", "--epochs", "1", "--d_model", "32", "--num_layers", "1",
+                            "--block_size", "32", "--sample", "0", "--checkpoint", "ckpt.pt"], 1),
+}
+
+
+def script_args(name):
+    if not (ROOT / name).exists():
+        pytest.skip(f"{name} is not in the repository yet")
+    return SCRIPTS[name]
+
+
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
+    """`--nnodes=2 --node-rank=0/1 --master-addr=<host0's address>`: the classic two-node launch."""
+    args, nproc = script_args(name)
+    metrics = tmp_path / "metrics.json"
+    before = [hosts.veth_bytes(i) for i in range(2)]
+    # the port is free for sure: nothing else runs in these namespaces
+    argvs = [torchrun_cmd() + ["--nnodes=2", f"--node-rank={i}", f"--nproc-per-node={nproc}",
+                               f"--master-addr={ADDRS[0]}", "--master-port=29500",
+                               str(ROOT / name), *args, "--metrics", metrics]
+             for i in range(2)]
+    results = run_on_hosts(hosts, tmp_path, argvs, host_env(), timeout=240)
+    assert_trained_across(hosts, results, metrics, 2 * nproc, nproc, before,
+                          rank_lines=name == "ddp_gpus_torchrun.py")
+
+
+def test_c10d_elastic_two_hosts(hosts, tmp_path):
+    """`--rdzv-backend=c10d --nnodes=1:2`: host 1 arrives late but within the last call, both train."""
+    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"]
+    metrics = tmp_path / "metrics.json"
+    before = [hosts.veth_bytes(i) for i in range(2)]
+    # host 0 hosts the c10d store: it recognises 10.77.0.1 as its own address
+    argv = torchrun_cmd() + ["--nnodes=1:2", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                             f"--rdzv-endpoint={ADDRS[0]}:29400", "--rdzv-id=elastic-job",
+                             "--rdzv-conf=join_timeout=120,last_call_timeout=30",
+                             str(ROOT / "ddp_gpus_torchrun.py"), *args, "--metrics", metrics]
+    results = run_on_hosts(hosts, tmp_path, [argv, argv], host_env(), timeout=240, stagger=2)
+    assert_trained_across(hosts, results, metrics, 2 * nproc, nproc, before)
+
+
+def test_c10d_second_host_never_arrives(hosts, tmp_path):
+    """`--nnodes=2` but host 1 stays down: the rendezvous times out, exit non-zero, nothing left."""
+    join_timeout = 5
+    argv = torchrun_cmd() + ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                             f"--rdzv-endpoint={ADDRS[0]}:29401", "--rdzv-id=lonely-job",
+                             f"--rdzv-conf=join_timeout={join_timeout}",
+                             str(ROOT / "ddp_gpus_torchrun.py"), "--device", "cpu"]
+    start = time.monotonic()
+    results = run_on_hosts(hosts, tmp_path, [argv, None], host_env(), timeout=120)
+    seconds = time.monotonic() - start
+    code, out, err = results[0]
+    assert code != 0, f"expected a failed rendezvous\n{out}\n{err}"
+    assert "RendezvousTimeoutError" in err, err[-3000:]
+    assert "Epoch" not in out, out  # no worker started training
+    assert seconds < join_timeout + 60, f"took {seconds:.0f} s"
+    assert hosts.pids(0) == [], "processes left running on host 0"
+
+
+# ---------------------------------------------------------------- a one-node SLURM cluster
+SLURM_CONF = """\
+# A private one-node cluster for the tests: its own ports, state and munge socket.
+ClusterName=ddptest
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/log/slurmctld.log
+SlurmdLogFile={dir}/log/slurmd.log
+# no cgroups, no accounting: what runs in a container
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+# report the CPUs below even on a machine with fewer: the test asks for 2 tasks
+SlurmdParameters=config_overrides
+NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=30 State=UP
+"""
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class SlurmCluster:
+    """munged + slurmctld + slurmd in the foreground, all tagged so that teardown finds every process."""
+
+    def __init__(self, directory):
+        self.dir = directory
+        self.marker = uuid.uuid4().hex  # in the environment of everything the cluster starts
+        self.daemons = {}
+        resolvable = True
+        try:
+            socket.gethostbyname(socket.gethostname())
+        except OSError:
+            resolvable = False
+        # the job's rendezvous host is the node name, so it must resolve like a real node's
+        self.node = socket.gethostname() if resolvable else "localhost"
+        self.conf = directory / "slurm.conf"
+        self.env = cpu_env(SLURM_CONF=self.conf,
+                           PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                           DDP_MULTIHOST_SLURM=self.marker)
+        for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+            self.env.pop(name, None)
+
+    def start(self):
+        for sub in ("munge", "state", "spool", "log", "job"):
+            (self.dir / sub).mkdir(mode=0o700, exist_ok=True)
+        munge = self.dir / "munge"
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        self.munge_socket = munge / "socket"
+        self.spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
+                              f"--key-file={key}", f"--pid-file={munge}/munged.pid",
+                              f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"])
+        self.wait_for("munged", lambda: sh(["munge", "-n", "-S", self.munge_socket], check=False).returncode == 0)
+        ctld_port, slurmd_port = free_ports(2)
+        self.conf.write_text(SLURM_CONF.format(node=self.node, dir=self.dir, ctld_port=ctld_port,
+                                               slurmd_port=slurmd_port, munge_socket=self.munge_socket,
+                                               cpus=max(2, os.cpu_count() or 1)))
+        self.spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", self.conf])
+        self.spawn("slurmd", ["slurmd", "-D", "-f", self.conf, "-N", self.node])
+        self.wait_for("an idle node", lambda: sh(["sinfo", "-h", "-o", "%T"], env=self.env,
+                                                 check=False).stdout.strip() == "idle")
+
+    def spawn(self, name, argv):
+        log = open(self.dir / "log" / f"{name}.out", "w")
+        self.daemons[name] = subprocess.Popen([str(a) for a in argv], env=self.env, stdout=log,
+                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              start_new_session=True)
+        log.close()
+
+    def wait_for(self, what, ready, timeout=30):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.daemons.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}\n{self.logs()}")
+            if ready():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"no {what} after {timeout} s\n{self.logs()}")
+
+    def logs(self):
+        return "\n".join(f"--- {p.name}\n{tail(p, 1500)}" for p in sorted((self.dir / "log").glob("*")))
+
+    def slurm(self, *argv, timeout=30, check=True):
+        return sh(argv, env=self.env, timeout=timeout, check=check, cwd=self.dir / "job")
+
+    def tagged_pids(self):
+        """Every process started with our marker: the daemons, slurmstepd, the job's processes."""
+        needle = f"DDP_MULTIHOST_SLURM={self.marker}\0".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    environ = f.read()
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            except OSError:
+                continue
+            if needle in environ and not zombie:
+                found.append(int(entry))
+        return found
+
+    def stop(self):
+        """Cancel the jobs, stop the daemons (TERM, then KILL), kill anything tagged that is left."""
+        if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
+            self.slurm("scancel", "--quiet", "--partition=debug", timeout=15, check=False)
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = self.daemons.get(name)
+            if proc is None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                proc.wait(timeout=15)
+            kill_group(proc)
+        for _ in range(3):
+            pids = self.tagged_pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        self.daemons = {}
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path, request):
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test cluster runs slurmctld/slurmd as SlurmUser=root")
+    missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed (no {', '.join(missing)}): run .ci/setup_multihost.sh")
+    cluster = SlurmCluster(tmp_path / "c")  # short: munge's socket path must fit 108 bytes
+    cluster.dir.mkdir(mode=0o700)
+    request.addfinalizer(cluster.stop)
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        pytest.skip(f"could not start a one-node SLURM cluster: {e}")
+    return cluster
+
+
+def test_slurm_sbatch_one_node(slurm_cluster):
+    """sbatch slurm/train.sbatch on one node with 2 tasks: torchrun starts 2 CPU processes."""
+    cluster = slurm_cluster
+    jobdir = cluster.dir / "job"
+    submit = cluster.slurm("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--time=5",
+                           "--output=ddp-%j.out", ROOT / "slurm" / "train.sbatch",
+                           ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--epochs", "3",
+                           "--metrics", "metrics.json")
+    job = submit.stdout.strip().split(";")[0]
+    # poll instead of `sbatch --wait`, whose polling interval grows to tens of seconds
+    deadline, state = time.monotonic() + 240, ""
+    while time.monotonic() < deadline:
+        info = cluster.slurm("scontrol", "-o", "show", "job", job, check=False).stdout
+        state = (re.search(r"JobState=(\S+)", info) or [None, "UNKNOWN"])[1]
+        if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "UNKNOWN"):
+            break
+        time.sleep(0.5)
+    output = tail(jobdir / f"ddp-{job}.out", 6000)
+    context = f"job {job}: {state}\n{info}\n--- job output\n{output}\n{cluster.logs()}"
+    assert state == "COMPLETED" and "ExitCode=0:0" in info, context
+    assert "1 node(s) x 2 process(es)" in output, context
+    assert "replicas: in sync" in output and "done:" in output, context
+    m = json.loads((jobdir / "metrics.json").read_text())
+    assert m["world_size"] == 2 and m["replicas_in_sync"] is True, m
+    assert m["final_loss"] < m["first_loss"], m
+    cluster.stop()
+    assert cluster.tagged_pids() == [], "processes of the test cluster outlived it"
