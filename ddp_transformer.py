@@ -272,7 +272,13 @@ def default_corpus():
 
 
 def read_corpus(args):
-    """The text to model, checked to hold a full window in both splits (before any process starts)."""
+    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts.
+
+    The vocabulary is the sorted string of the text's characters, so every rank that
+    reads the same text builds the same one; the toy data has the seed's 100 ids instead.
+    """
+    if args.dataset == "toy":
+        return "", "the seed's toy rows (12 x 10, one token each)", None
     if args.data is None:
         text, name = default_corpus(), "Python standard library"
     else:
@@ -283,10 +289,10 @@ def read_corpus(args):
             fail(f"cannot read --data {args.data}: {e}", "pass a readable UTF-8 text file")
     need = math.ceil((args.block_size + 1) / VAL_FRACTION)
     if len(text) < need:
-        fail(f"the corpus ({name}) has {len(text)} characters, but a window of --block_size "
-             f"{args.block_size} needs {need} to fill one window in the validation split",
-             f"pass a longer --data file or a smaller --block_size")
-    return text, name
+        fail(f"the corpus ({name}) has {len(text)} characters, too few for a window of "
+             f"--block_size {args.block_size} in the validation split (it needs {need})",
+             "pass a longer --data file or a smaller --block_size")
+    return text, name, "".join(sorted(set(text)))
 
 
 def unigram_entropy(text):
@@ -330,16 +336,15 @@ class NLPDataset(Dataset):
         return rows[..., :-1], rows[..., 1:]
 
 
-def build_data(args, text, device):
-    """(train set, validation set, vocabulary); the vocabulary is a string of the sorted characters."""
-    if args.dataset == "toy":
+def build_data(args, text, vocab, device):
+    """(training set, validation set), both on the device: a batch is one gather, no copy per step."""
+    if vocab is None:
         rows = NLPDataset(12, 10, device)  # the seed has no held-out data: validate on its rows
-        return rows, rows, None
-    vocab = "".join(sorted(set(text)))
+        return rows, rows
     lookup = {c: i for i, c in enumerate(vocab)}
     tokens = torch.tensor([lookup[c] for c in text], dtype=torch.long, device=device)
     split = int(len(tokens) * (1 - VAL_FRACTION))
-    return Windows(tokens[:split], args.block_size), Windows(tokens[split:], args.block_size), vocab
+    return Windows(tokens[:split], args.block_size), Windows(tokens[split:], args.block_size)
 
 
 # ---------------------------------------------------------------- model
@@ -426,9 +431,10 @@ class Transformer(nn.Module):
         return self.out_linear(self.norm(x))
 
 
-def model_config(args, vocab_size):
+def model_config(args, vocab):
     """The Transformer's constructor arguments: stored in the checkpoint, compared on resume."""
-    return {"vocab_size": vocab_size, "d_model": args.d_model, "num_heads": args.num_heads,
+    return {"vocab_size": len(vocab) if vocab else 100,  # the seed's vocabulary size on toy
+            "d_model": args.d_model, "num_heads": args.num_heads,
             "d_ff": args.d_ff, "num_layers": args.num_layers, "max_len": args.block_size,
             "dropout": args.dropout}
 
@@ -446,7 +452,7 @@ def flops_per_token(model, block):
 
 
 # ---------------------------------------------------------------- train / evaluate
-def make_optimizer(model, args, device):
+def make_optimizer(model, args):
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
     # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
@@ -509,7 +515,7 @@ def evaluate(model, dataset, indices, batch_size, amp):
     """
     was_training = model.training
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=dataset[0][0].device)
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for batch in torch.as_tensor(indices, dtype=torch.long).split(batch_size):
         x, y = dataset[batch]
         with amp:
@@ -567,16 +573,6 @@ def read_checkpoint(path, config, vocab):
     return state
 
 
-def save_checkpoint(path, model, optimizer, scaler, position, config, vocab):
-    if dist.get_rank() == 0:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scaler": scaler.state_dict(), "config": config, "vocab": vocab, **position}
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # atomic: a crash mid-write keeps the old checkpoint
-    dist.barrier()  # nobody reads the checkpoint before it is complete
-
-
 # ---------------------------------------------------------------- replica check / metrics
 def replicas_in_sync(model, device):
     """Gather a fingerprint of the parameters from every rank; True when all are identical."""
@@ -609,137 +605,171 @@ def check_same_text(text, device):
                            "another node?): pass --data PATH on a file system every node sees")
 
 
+# ---------------------------------------------------------------- trainer
+def global_mean(loss_sum, count, device):
+    """Mean of a loss summed over `count` tokens on each rank, reduced over all ranks."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item() if totals[1] else float("nan")
+
+
+class Trainer:
+    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
+
+    def __init__(self, model, data, optimizer, scaler, device, args):
+        self.model = model  # the unwrapped module: evaluate, sample and save this one
+        self.train_set, self.val_set, self.vocab, self.config = data
+        self.optimizer, self.scaler, self.device, self.args = optimizer, scaler, device, args
+        self.amp = autocast(args, device)
+        self.epochs_run, self.batch_in_epoch, self.step = 0, 0, 0
+        if args.resume:
+            self._load_checkpoint()
+        # nanoGPT's order: compile the module, then wrap it, so DDP's hooks see compiled graphs.
+        # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out.
+        self.ddp = DDP(torch.compile(model) if args.compile else model,
+                       device_ids=[device.index] if device.type == "cuda" else None,
+                       gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
+        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
+        self.steps_per_epoch = math.ceil(math.ceil(len(self.sampler) / args.batch_size) / args.grad_accum)
+        self.total = self.steps_per_epoch * args.epochs
+        self.total = min(self.total, args.max_steps) if args.max_steps else self.total
+        # this invocation: optimizer steps, tokens per rank and seconds after the first step
+        self.steps, self.tokens, self.seconds, self.clock = 0, 0, 0.0, None
+        self.log_sum, self.log_count = torch.zeros((), device=device), 0
+
+    def _load_checkpoint(self):
+        state = read_checkpoint(self.args.checkpoint, self.config, self.vocab)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epochs_run, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
+
+    def _save_checkpoint(self, epoch, steps_done):
+        finished = steps_done == self.steps_per_epoch
+        if dist.get_rank() == 0:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
+                     "epoch": epoch + 1 if finished else epoch, "step": self.step,
+                     "batch_in_epoch": 0 if finished else steps_done}
+            tmp = f"{self.args.checkpoint}.tmp{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, self.args.checkpoint)  # atomic: a crash mid-write keeps the old checkpoint
+        dist.barrier()  # nobody reads the checkpoint before it is complete
+
+    def validate(self):
+        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
+        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
+        totals = evaluate(self.model, self.val_set, indices, self.args.batch_size, self.amp)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _run_step(self, micro_batches):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.total, self.args)
+        loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
+                                      self.args.clip)
+        self.step, self.steps = self.step + 1, self.steps + 1
+        self.log_sum += loss_sum
+        self.log_count += tokens
+        if self.clock is None:  # the clock starts after the first step: allocation, compilation
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.clock = time.perf_counter()
+        else:
+            self.tokens += tokens
+        return loss_sum, tokens
+
+    def _log(self):
+        args, step = self.args, self.step
+        if args.log_every and step % args.log_every == 0:
+            loss = global_mean(self.log_sum, self.log_count, self.device)
+            self.log_sum, self.log_count = torch.zeros((), device=self.device), 0
+            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}")
+        if args.eval_every and step % args.eval_every == 0 and step < self.total:
+            start = time.perf_counter()
+            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
+            self.seconds -= time.perf_counter() - start  # evaluation is not training time
+
+    def _run_epoch(self, epoch):
+        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        batches = torch.tensor(list(self.sampler), device=self.device).split(self.args.batch_size)
+        k, done = self.args.grad_accum, self.batch_in_epoch
+        loss_sum, count = torch.zeros((), device=self.device), 0
+        for first in range(done * k, len(batches), k):
+            if self.step >= self.total:
+                break
+            step_sum, tokens = self._run_step([self.train_set[b] for b in batches[first:first + k]])
+            loss_sum, count, done = loss_sum + step_sum, count + tokens, done + 1
+            self._log()
+        self.batch_in_epoch = 0
+        return global_mean(loss_sum, count, self.device), done
+
+    def train(self):
+        history, epoch = [], self.epochs_run
+        for epoch in range(self.epochs_run, self.args.epochs):
+            if self.step >= self.total:
+                break
+            start = time.perf_counter()
+            loss, done = self._run_epoch(epoch)
+            seconds = time.perf_counter() - start
+            history.append(loss)
+            self._save_checkpoint(epoch, done)
+            print0(f"epoch {epoch + 1}/{self.args.epochs} | loss {loss:.4f} | {done} steps | "
+                   f"{done * self.args.grad_accum * self.args.batch_size * dist.get_world_size() / seconds:.0f}"
+                   f" windows/s | {seconds:.2f} s | checkpoint {self.args.checkpoint}")
+        if self.clock is not None:
+            self.seconds += time.perf_counter() - self.clock
+        return history, epoch + 1
+
+
 # ---------------------------------------------------------------- main
-class Run:
-    """What the training loop carries from step to step (counters and loss sums on the device)."""
-
-    def __init__(self, device, step=0):
-        self.step = step            # optimizer steps since the first run (drives the schedule)
-        self.steps = 0              # optimizer steps in this invocation
-        self.tokens = 0             # tokens trained on in this invocation, this rank
-        self.epoch_loss = torch.zeros(2, dtype=torch.float64, device=device)
-        self.log_loss = torch.zeros(2, dtype=torch.float64, device=device)
-
-
-def global_mean(totals):
-    """Reduce a [sum, count] pair over the ranks, return the mean and zero the pair."""
-    reduced = totals.clone()
-    dist.all_reduce(reduced)
-    totals.zero_()
-    return (reduced[0] / reduced[1]).item() if reduced[1] else float("nan")
-
-
-def train(device, args, text, corpus_name, checkpoint):
+def train(device, args, corpus):
+    text, name, vocab = corpus
     torch.manual_seed(args.seed)
     check_same_text(text, device)
-    train_set, val_set, vocab = build_data(args, text, device)
-    config = model_config(args, len(vocab) if vocab else 100)  # the seed's vocabulary of 100 on toy
+    config = model_config(args, vocab)
     model = Transformer(**config).to(device)
-    optimizer = make_optimizer(model, args, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    start_epoch, skip, run = 0, 0, Run(device)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])
-        start_epoch, skip, run = checkpoint["epoch"], checkpoint["batch_in_epoch"], Run(device, checkpoint["step"])
-    # nanoGPT's order: compile the module, then wrap it, so DDP's hooks see compiled graphs.
-    # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out.
-    ddp = DDP(torch.compile(model) if args.compile else model,
-              device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    batches = math.ceil(len(sampler) / args.batch_size)
-    steps_per_epoch = math.ceil(batches / args.grad_accum)
-    total = steps_per_epoch * args.epochs
-    total = min(total, args.max_steps) if args.max_steps else total
-    fpt = flops_per_token(model, args.block_size)
-    amp = autocast(args, device)
-    world = dist.get_world_size()
-    print0(f"data: {corpus_name} | {len(vocab) if vocab else 12} symbols | {len(train_set)} training and "
-           f"{len(val_set)} validation windows of {args.block_size} | unigram entropy "
-           f"{unigram_entropy(text):.3f} nats" if vocab else "data: the seed's toy rows (12 x 10, one token each)")
-    print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | {fpt / 1e6:.2f} MFLOP per "
-           f"token | {world} x {device.type} ({args.backend}) | amp {args.amp} | {args.optimizer} | "
-           f"{steps_per_epoch} steps per epoch of {args.grad_accum} x {args.batch_size} x {world} windows")
-    print0(f"resuming from {args.checkpoint} at epoch {start_epoch}, step {run.step}"
-           if checkpoint is not None else "starting from scratch")
+    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
+                      make_optimizer(model, args), torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"),
+                      device, args)
+    world, fpt = dist.get_world_size(), flops_per_token(model, args.block_size)
+    entropy = unigram_entropy(text) if vocab else None
+    print0(f"data: {name} | {config['vocab_size']} symbols | {len(trainer.train_set)} training and "
+           f"{len(trainer.val_set)} validation windows" + (f" | unigram entropy {entropy:.3f} nats" if vocab else ""))
+    print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | {fpt / 1e6:.2f} MFLOP per token "
+           f"| {world} x {device.type} ({args.backend}) | amp {args.amp} | {args.optimizer} | "
+           f"{trainer.steps_per_epoch} steps per epoch of {args.grad_accum} x {args.batch_size} x {world} windows")
+    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}"
+           if args.resume else "starting from scratch")
 
-    first_val = validation_loss(model, val_set, args.batch_size, amp)
+    first_val = trainer.validate()
     print0(f"validation loss {first_val:.4f} before training")
-    history, val, train_time, clock = [], first_val, 0.0, None
-    epoch = start_epoch
-    for epoch in range(start_epoch, args.epochs):
-        if run.step >= total:
-            break
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        order = torch.tensor(list(sampler), device=device).split(args.batch_size)
-        epoch_start, done = time.perf_counter(), skip
-        for first in range(skip * args.grad_accum, len(order), args.grad_accum):
-            micro_batches = [train_set[b] for b in order[first:first + args.grad_accum]]
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(run.step, total, args)
-            loss_sum, tokens = train_step(ddp, optimizer, scaler, micro_batches, amp, args.clip)
-            run.step, run.steps, done = run.step + 1, run.steps + 1, done + 1
-            run.epoch_loss += torch.stack([loss_sum.double(), torch.tensor(float(tokens), device=device)])
-            run.log_loss += torch.stack([loss_sum.double(), torch.tensor(float(tokens), device=device)])
-            if clock is None:  # the clock starts after the first step: allocation, compilation
-                torch.cuda.synchronize() if device.type == "cuda" else None
-                clock = time.perf_counter()
-            else:
-                run.tokens += tokens
-            if args.log_every and run.step % args.log_every == 0:
-                print0(f"step {run.step}/{total} | loss {global_mean(run.log_loss):.4f} | "
-                       f"lr {optimizer.param_groups[0]['lr']:.2e}")
-            if args.eval_every and run.step % args.eval_every == 0:
-                pause = time.perf_counter()
-                print0(f"step {run.step}/{total} | validation loss "
-                       f"{validation_loss(model, val_set, args.batch_size, amp):.4f}")
-                clock += time.perf_counter() - pause
-            if run.step >= total:
-                break
-        skip = 0
-        finished = done == steps_per_epoch
-        loss = global_mean(run.epoch_loss)
-        seconds = time.perf_counter() - epoch_start
-        history.append(loss)
-        position = {"epoch": epoch + 1 if finished else epoch, "step": run.step,
-                    "batch_in_epoch": 0 if finished else done}
-        save_checkpoint(args.checkpoint, model, optimizer, scaler, position, config, vocab)
-        print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss:.4f} | {done} steps | {seconds:.2f} s"
-               f" | checkpoint {args.checkpoint}")
-    train_time = time.perf_counter() - clock if clock is not None else 0.0
-
-    val = validation_loss(model, val_set, args.batch_size, amp)
-    print0(f"validation loss {first_val:.4f} -> {val:.4f}")
-    tokens_per_s = run.tokens * world / train_time if train_time else 0.0
-    print0(f"throughput: {tokens_per_s:.0f} tokens/s on {world} processes | "
-           f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x params + attention)")
+    history, epochs = trainer.train()
+    val = trainer.validate()
+    tokens_per_s = trainer.tokens * world / trainer.seconds if trainer.seconds > 0 else 0.0
+    print0(f"validation loss {first_val:.4f} -> {val:.4f}\nthroughput: {tokens_per_s:.0f} tokens/s on "
+           f"{world} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention)")
     if args.sample and vocab and dist.get_rank() == 0:
-        prompt = "\n" if "\n" in vocab else vocab[0]
-        print(f"sample ({args.sample} characters):\n{generate(model, vocab, prompt, args.sample, args.seed)}",
-              flush=True)
+        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
+        print(f"sample ({args.sample} characters):\n{text_out}", flush=True)
     in_sync = replicas_in_sync(model, device)
-    del ddp, loss_sum  # drop every reference into DDP before the process group goes
     summary = {
         "script": os.path.basename(__file__), "world_size": world, "backend": dist.get_backend(),
         "device": device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
-        "epochs": epoch + 1, "steps": run.steps, "steps_per_epoch": steps_per_epoch,
+        "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
         "batch_size": args.batch_size, "grad_accum": args.grad_accum, "block_size": args.block_size,
-        "elapsed_s": train_time, "samples_per_s": tokens_per_s / args.block_size,
+        "elapsed_s": trainer.seconds, "samples_per_s": tokens_per_s / args.block_size,
         "tokens_per_s": tokens_per_s, "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt,
-        "first_loss": history[0] if history else float("nan"),
-        "final_loss": history[-1] if history else float("nan"), "losses": history,
-        "first_val_loss": first_val, "val_loss": val,
-        "unigram_entropy": unigram_entropy(text) if vocab else None,
+        "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
+        "losses": history, "first_val_loss": first_val, "val_loss": val, "unigram_entropy": entropy,
         "params": sum(p.numel() for p in model.parameters()), "replicas_in_sync": in_sync,
-        "resumed_from_epoch": start_epoch if checkpoint is not None else 0,
-        "resumed_from_step": checkpoint["step"] if checkpoint is not None else 0,
+        "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
     }
+    del trainer  # DDP's reducer goes before the process group does
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {world} x {device.type} ({summary['backend']}) | torch "
-           f"{torch.__version__} | {summary['epochs']} epochs, {run.steps} steps | val loss {first_val:.4f} -> "
+           f"{torch.__version__} | {epochs} epochs, {summary['steps']} steps | val loss {first_val:.4f} -> "
            f"{val:.4f} | {tokens_per_s:.0f} tokens/s | replicas {'in sync' if in_sync else 'DIFFER'}")
     return in_sync
 
@@ -750,17 +780,16 @@ def main():
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     args = check_args(args)
-    text, corpus_name = read_corpus(args) if args.dataset == "text" else ("", "toy")
-    vocab = "".join(sorted(set(text))) or None
-    checkpoint = (read_checkpoint(args.checkpoint, model_config(args, len(vocab) if vocab else 100), vocab)
-                  if args.resume else None)
+    corpus = read_corpus(args)
+    if args.resume:  # refuse a bad checkpoint before any process group exists
+        read_checkpoint(args.checkpoint, model_config(args, corpus[2]), corpus[2])
     if "RANK" not in os.environ:  # plain `python ddp_transformer.py`: a one-process world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     device = setup(args)
     try:
-        in_sync = train(device, args, text, corpus_name, checkpoint)
+        in_sync = train(device, args, corpus)
     finally:
         cleanup()
     if not in_sync:
