@@ -1,0 +1,262 @@
+"""Tests of the foundation: the linear-model scripts and run.sh, launched as users launch them.
+
+Everything runs on CPU with gloo (CUDA_VISIBLE_DEVICES= and --device cpu), every launch in
+its own temporary directory and bounded by a timeout (see conftest.py). The assertions are
+about behaviour: the loss falls, replicas agree, step counts are as computed, a snapshot
+resumes exactly, bad input gets one line and exit code 2, exits are clean.
+"""
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DistributedSampler
+
+from conftest import ROOT, cpu_env, read_metrics, run_bounded
+
+RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart"]
+
+
+# ---------------------------------------------------------------- ddp_minimal.py
+def test_minimal_one_step_identical_parameters(launch, script, tmp_path):
+    r = launch([sys.executable, script("ddp_minimal.py"), "--device", "cpu", "--nprocs", "2",
+                "--metrics", tmp_path / "m.json"], timeout=90)
+    losses = dict(re.findall(r"\[rank (\d)\] loss=([\d.]+)", r.stdout))
+    assert set(losses) == {"0", "1"}, r.stdout
+    assert losses["0"] != losses["1"], "each rank trains on its own batch, so the losses must differ"
+    m = read_metrics(tmp_path / "m.json")
+    assert m["replicas_in_sync"] is True and m["parameters_changed"] is True
+    assert m["world_size"] == 2 and m["backend"] == "gloo" and m["device"] == "cpu"
+    assert r.stdout.strip().splitlines()[-1].startswith("done:")
+
+
+# ---------------------------------------------------------------- ddp_gpus.py
+@pytest.fixture(scope="module")
+def spawn_reference(tmp_path_factory):
+    """One uninterrupted 4-epoch run of ddp_gpus.py on 2 CPU processes, shared by several tests."""
+    work = tmp_path_factory.mktemp("reference")
+    r = run_bounded([sys.executable, ROOT / "ddp_gpus.py", "--max_epochs", "4", "--batch_size", "32",
+                     "--device", "cpu", "--nprocs", "2", "--metrics", work / "m.json"], work, timeout=90)
+    return r, read_metrics(work / "m.json")
+
+
+def test_spawn_learns_and_replicas_agree(spawn_reference):
+    r, m = spawn_reference
+    assert m["replicas_in_sync"] is True
+    losses = m["losses"]
+    assert len(losses) == 4 and all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert m["final_loss"] < 0.1 * m["first_loss"], "the model must actually learn the linear map"
+    # the seed's per-rank line from both ranks, the global epoch line once (rank 0)
+    for rank in (0, 1):
+        assert f"[CPU: {rank}] Epoch: 3 | Batchsize: 32 | Steps: 32" in r.stdout
+    assert r.stdout.count("epoch 4/4 | loss") == 1
+    assert "replicas: in sync (2 ranks" in r.stdout
+
+
+@pytest.mark.parametrize("nprocs,batch", [(1, 100), (3, 32)])
+def test_spawn_steps_per_epoch(launch, script, tmp_path, nprocs, batch):
+    r = launch([sys.executable, script("ddp_gpus.py"), "-e", "2", "-b", batch, "--device", "cpu",
+                "--nprocs", nprocs, "--metrics", tmp_path / "m.json"], timeout=90)
+    expected = math.ceil(2048 / (batch * nprocs))
+    m = read_metrics(tmp_path / "m.json")
+    assert m["steps_per_epoch"] == expected and m["steps"] == 2 * expected
+    assert m["world_size"] == nprocs and m["replicas_in_sync"] is True
+    assert set(re.findall(r"\[CPU: (\d)\] Epoch: 1 \| Batchsize: %d \| Steps: (\d+)" % batch, r.stdout)) == {
+        (str(rank), str(expected)) for rank in range(nprocs)}
+
+
+# ---------------------------------------------------------------- ddp_gpus_torchrun.py
+def test_snapshot_resume_is_exact(launch, script, torchrun, tmp_path, spawn_reference):
+    cmd = [*torchrun, "--standalone", "--nproc-per-node=2", script("ddp_gpus_torchrun.py"), "--device", "cpu",
+           "--batch_size", "32", "--snapshot_path", tmp_path / "snap.pt", "--metrics", tmp_path / "m.json"]
+    launch(cmd + ["--max_epochs", "2"], timeout=90)
+    first = read_metrics(tmp_path / "m.json")
+    assert first["epochs"] == 2 and first["resumed_from_epoch"] == 0
+
+    r = launch(cmd + ["--max_epochs", "4"], timeout=90)
+    second = read_metrics(tmp_path / "m.json")
+    assert second["resumed_from_epoch"] == 2 and second["epochs"] == 4
+    assert second["steps"] == 2 * 32, "a resumed run trains only the missing epochs"
+    assert "resuming from snapshot" in r.stdout
+    # same seed, same data order: the resumed epochs match the uninterrupted run exactly
+    _, reference = spawn_reference
+    assert first["losses"] + second["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+
+    snap = torch.load(tmp_path / "snap.pt", map_location="cpu", weights_only=True)
+    assert snap["epochs_run"] == 4
+    model = torch.nn.Linear(20, 1)
+    model.load_state_dict(snap["model"])  # no `module.` prefix
+
+
+def test_torchrun_script_as_plain_python(launch, script, tmp_path):
+    launch([sys.executable, script("ddp_gpus_torchrun.py"), "--device", "cpu", "-e", "3",
+            "--snapshot_path", tmp_path / "s.pt", "--metrics", tmp_path / "m.json"], timeout=60)
+    m = read_metrics(tmp_path / "m.json")
+    assert m["world_size"] == 1 and m["steps_per_epoch"] == 64 and m["final_loss"] < m["first_loss"]
+
+
+def test_clean_exit_ten_launches_in_a_row(script, tmp_path):
+    """The exit-time abort of the contract: 10 consecutive 2-rank launches must all exit 0, silently."""
+    for i in range(10):
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, script("ddp_gpus_torchrun.py"), "--device", "cpu", "-e", "1",
+                                   "--snapshot_path", tmp_path / f"s{i}.pt"], cwd=tmp_path, text=True,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                  env=cpu_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2,
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                 for rank in (0, 1)]
+        try:
+            results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for rank, (code, err) in enumerate(results):
+            assert code == 0 and "terminate called" not in err, f"launch {i}, rank {rank}: exit {code}\n{err}"
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("name,args,says", [
+    ("ddp_gpus.py", ["--batch_size", "0"], "--batch_size"),
+    ("ddp_gpus.py", ["--epochs", "-1"], "--epochs"),
+    ("ddp_gpus.py", ["--lr", "0"], "--lr"),
+    ("ddp_gpus.py", ["--nprocs", "0"], "--nprocs"),
+    ("ddp_gpus.py", ["--device", "cuda"], "no GPU"),
+    ("ddp_gpus.py", ["--backend", "nccl"], "nccl"),
+    ("ddp_minimal.py", ["--nprocs", "-2"], "--nprocs"),
+    ("ddp_gpus_torchrun.py", ["--max_epochs", "0"], "--epochs"),
+])
+def test_bad_input_one_line_exit_2(launch, script, name, args, says):
+    r = launch([sys.executable, script(name), *args], timeout=60, check=False)
+    assert r.returncode == 2, str(r)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], str(r)
+    assert "(" in lines[0], "the error names the fix"
+
+
+# ---------------------------------------------------------------- in-process DDP with gloo
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fixed_problem(seed=0, samples=64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 20, generator=g)
+    y = x @ torch.randn(20, 1, generator=g)
+    return x, y
+
+
+def _train(model, batches, lr=0.1):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in batches:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _ddp_equivalence_worker(rank, world, port, batch, steps, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        x, y = _fixed_problem()
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(20, 1))
+        # step s: rank r takes the r-th half of the global batch of 2B samples
+        start = lambda s: s * world * batch + rank * batch  # noqa: E731
+        _train(model, [(x[start(s):start(s) + batch], y[start(s):start(s) + batch]) for s in range(steps)])
+        if rank == 0:
+            torch.save(model.module.state_dict(), out)
+        del model
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_equals_one_process_with_double_batch(tmp_path):
+    batch, steps = 4, 6
+    out = tmp_path / "ddp.pt"
+    mp.spawn(_ddp_equivalence_worker, args=(2, free_port(), batch, steps, str(out)), nprocs=2, join=True)
+    ddp = torch.load(out, weights_only=True)
+
+    x, y = _fixed_problem()
+    torch.manual_seed(0)
+    single = torch.nn.Linear(20, 1)
+    initial = {k: v.clone() for k, v in single.state_dict().items()}
+    _train(single, [(x[s * 2 * batch:(s + 1) * 2 * batch], y[s * 2 * batch:(s + 1) * 2 * batch])
+                    for s in range(steps)])
+    for k in ddp:
+        assert torch.allclose(ddp[k], single.state_dict()[k], atol=1e-6), k
+        assert not torch.allclose(ddp[k], initial[k]), f"{k} did not move: the test would prove nothing"
+
+
+def _replica_check_worker(rank, world, port, perturb, out):
+    sys.path.insert(0, str(ROOT))
+    from ddp_gpus import replicas_in_sync
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(20, 1)
+        if perturb and rank == 1:
+            with torch.no_grad():
+                model.weight[0, 7] += 1e-6
+        result = replicas_in_sync(model, torch.device("cpu"))
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(str(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("perturb", [False, True])
+def test_replica_check_detects_one_differing_weight(tmp_path, perturb):
+    out = tmp_path / "result"
+    mp.spawn(_replica_check_worker, args=(2, free_port(), perturb, str(out)), nprocs=2, join=True)
+    results = {open(f"{out}.{r}").read() for r in (0, 1)}
+    assert results == {str(not perturb)}
+
+
+# ---------------------------------------------------------------- DistributedSampler
+def test_distributed_sampler_shards_disjoint_cover_and_reshuffle():
+    data = list(range(103))
+    world = 4
+    shards = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1, "every rank gets the same number of samples"
+    flat = [i for s in shards for i in s]
+    assert set(flat) == set(data), "together the shards cover the data set"
+    padding = len(flat) - len(data)
+    assert padding == 1, "103 samples over 4 ranks: the sampler pads 1 duplicate in (why evaluation must not use it)"
+    overlap = sum(len(set(a) & set(b)) for i, a in enumerate(shards) for b in shards[i + 1:])
+    assert overlap <= padding, "shards overlap only by the padded duplicates"
+
+    sampler = DistributedSampler(data, num_replicas=world, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    epoch0 = list(sampler)
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch0 != epoch1, "set_epoch changes the order"
+    sampler.set_epoch(0)
+    assert list(sampler) == epoch0, "the same epoch gives the same order on every rank and every run"
+
+
+# ---------------------------------------------------------------- run.sh
+def test_run_sh_help_lists_every_tested_mode(launch):
+    r = launch(["bash", ROOT / "run.sh", "--help"], timeout=60)
+    listed = re.findall(r"^  (\S+)\s", r.stdout, flags=re.M)
+    assert listed == RUN_SH_MODES, "a run.sh mode without a test (or a test without a mode)"
+
+
+@pytest.mark.parametrize("mode", RUN_SH_MODES)
+def test_run_sh_mode_passes(launch, mode):
+    r = launch(["bash", ROOT / "run.sh", mode], timeout=180)
+    assert f"PASS  {mode}" in r.stdout and "1 passed, 0 failed" in r.stdout, str(r)
+
+
+def test_run_sh_unknown_mode_is_an_error(launch):
+    r = launch(["bash", ROOT / "run.sh", "no-such-mode"], timeout=60, check=False)
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown mode")
