@@ -14,6 +14,7 @@ sbatch and checks the job's output. Every daemon it starts is stopped at the end
 Both need root; they skip with the reason when it, iproute2 or slurm-wlm/munge is
 missing (.ci/setup_multihost.sh installs them). Every subprocess is bounded.
 """
+import ctypes
 import json
 import os
 import re
@@ -58,6 +59,11 @@ def tail(path, n=4000):
         return f"<{e}>"
 
 
+def die_with_parent():
+    """preexec_fn: the kernel kills this child if pytest dies, even by SIGKILL (no finalizer runs then)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -66,6 +72,69 @@ def pid_alive(pid):
     except PermissionError:
         return True
     return True
+
+
+def tagged_pids(marker):
+    """Live processes whose environment holds DDP_MULTIHOST_TAG=marker (inherited by all they start)."""
+    needle = f"DDP_MULTIHOST_TAG={marker}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:
+            continue
+        if needle in environ and not zombie:
+            found.append(int(entry))
+    return found
+
+
+def kill_pids(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def reap(marker=None, namespaces=()):
+    """Kill every process tagged with `marker` and every process in `namespaces`; delete those."""
+    for _ in range(5):
+        pids = tagged_pids(marker) if marker else []
+        for ns in namespaces:
+            pids += [int(p) for p in sh(["ip", "netns", "pids", ns], check=False).stdout.split()]
+        if not pids:
+            break
+        kill_pids(pids)
+        time.sleep(0.3)
+    for ns in namespaces:
+        sh(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
+
+
+class Watchdog:
+    """A separate process that reaps when its stdin closes: at the end of the test, or when pytest dies.
+
+    Finalizers do not run when pytest is killed; the kernel closes the pipe all the same.
+    Runs this file as a script: `python test_multihost.py reap MARKER [NAMESPACE...]`.
+    """
+
+    def __init__(self, marker="", namespaces=()):
+        self.proc = subprocess.Popen([sys.executable, __file__, "reap", marker, *namespaces],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     start_new_session=True, env=cpu_env())
+
+    def stop(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
 
 # ---------------------------------------------------------------- two hosts in network namespaces
@@ -110,16 +179,7 @@ class TwoHosts:
 
     def teardown(self):
         """Kill whatever still runs in the namespaces, then delete them (the veth goes with them)."""
-        for ns in self.created:
-            out = sh(["ip", "netns", "pids", ns], check=False).stdout
-            for pid in map(int, out.split()):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for ns in self.created:
-            sh(["ip", "netns", "del", ns], check=False)
-            shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
+        reap(namespaces=self.created)
         self.created = []
 
 
@@ -140,7 +200,9 @@ def hosts(request):
         pytest.skip("needs iproute2 (ip) and util-linux (unshare): run .ci/setup_multihost.sh")
     remove_stale_namespaces()
     two = TwoHosts(f"{os.getpid()}x{uuid.uuid4().hex[:3]}")
-    request.addfinalizer(two.teardown)  # registered first: runs even when setup fails half-way
+    watchdog = Watchdog("", two.ns)
+    request.addfinalizer(watchdog.stop)
+    request.addfinalizer(two.teardown)  # registered before setup: runs even when it fails half-way
     try:
         two.setup()
         sh(two.command(0, ["true"]))
@@ -168,7 +230,8 @@ def run_on_hosts(hosts, tmp_path, argvs, env, timeout, stagger=0.0):
             out, err = open(workdir / "stdout", "w+"), open(workdir / "stderr", "w+")
             files[i] = (out, err)
             procs[i] = subprocess.Popen(hosts.command(i, argv), cwd=workdir, env=env, stdout=out,
-                                        stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         for i, proc in procs.items():
             try:
@@ -221,7 +284,10 @@ def assert_trained_across(hosts, results, metrics_path, world_size, nproc_per_no
         assert re.search(rf"\b{rank}\]", results[1][1]), f"rank {rank} did not run on host 1\n{describe}"
     m = json.loads(Path(metrics_path).read_text())
     assert m["world_size"] == world_size and m["replicas_in_sync"] is True, m
-    assert m["final_loss"] < m["first_loss"], m
+    if "val_loss" in m:  # ddp_transformer.py: validation before and after training
+        assert m["val_loss"] < m["first_val_loss"], m
+    else:
+        assert m["final_loss"] < m["first_loss"], m
     # the gradients crossed the veth: far more than the rendezvous' few kilobytes each way
     after = [hosts.veth_bytes(i) for i in range(2)]
     for i in range(2):
@@ -231,11 +297,12 @@ def assert_trained_across(hosts, results, metrics_path, world_size, nproc_per_no
     assert hosts.pids(0) == [] and hosts.pids(1) == []
 
 
-# (script, arguments, processes per host, seconds): small runs, CPU, gloo
+# script: (arguments, processes per host); small runs on CPU with gloo
 SCRIPTS = {
     "ddp_gpus_torchrun.py": (["--device", "cpu", "--epochs", "3", "--snapshot_path", "snapshot.pt"], 2),
-    "ddp_transformer.py": (["--device", "cpu", "--epochs", "1", "--d_model", "32", "--num_layers", "1",
-                            "--block_size", "32", "--sample", "0", "--checkpoint", "ckpt.pt"], 1),
+    "ddp_transformer.py": (["--device", "cpu", "--epochs", "1", "--max_steps", "30", "--d_model", "32",
+                            "--num_layers", "1", "--block_size", "32", "--sample", "0",
+                            "--checkpoint", "ckpt.pt"], 1),
 }
 
 
@@ -346,6 +413,7 @@ class SlurmCluster:
     def __init__(self, directory):
         self.dir = directory
         self.marker = uuid.uuid4().hex  # in the environment of everything the cluster starts
+        self.watchdog = Watchdog(self.marker)
         self.daemons = {}
         resolvable = True
         try:
@@ -357,7 +425,7 @@ class SlurmCluster:
         self.conf = directory / "slurm.conf"
         self.env = cpu_env(SLURM_CONF=self.conf,
                            PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                           DDP_MULTIHOST_SLURM=self.marker)
+                           DDP_MULTIHOST_TAG=self.marker)
         for name in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
             self.env.pop(name, None)
 
@@ -386,7 +454,7 @@ class SlurmCluster:
         log = open(self.dir / "log" / f"{name}.out", "w")
         self.daemons[name] = subprocess.Popen([str(a) for a in argv], env=self.env, stdout=log,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True)
+                                              start_new_session=True, preexec_fn=die_with_parent)
         log.close()
 
     def wait_for(self, what, ready, timeout=30):
@@ -406,24 +474,6 @@ class SlurmCluster:
     def slurm(self, *argv, timeout=30, check=True):
         return sh(argv, env=self.env, timeout=timeout, check=check, cwd=self.dir / "job")
 
-    def tagged_pids(self):
-        """Every process started with our marker: the daemons, slurmstepd, the job's processes."""
-        needle = f"DDP_MULTIHOST_SLURM={self.marker}\0".encode()
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    environ = f.read()
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-            except OSError:
-                continue
-            if needle in environ and not zombie:
-                found.append(int(entry))
-        return found
-
     def stop(self):
         """Cancel the jobs, stop the daemons (TERM, then KILL), kill anything tagged that is left."""
         if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
@@ -439,17 +489,9 @@ class SlurmCluster:
                 kill_group(proc)
                 proc.wait(timeout=15)
             kill_group(proc)
-        for _ in range(3):
-            pids = self.tagged_pids()
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
+        reap(self.marker)  # slurmstepd and the job's processes, which slurmd does not own
         self.daemons = {}
+        self.watchdog.stop()
 
 
 @pytest.fixture
@@ -495,4 +537,9 @@ def test_slurm_sbatch_one_node(slurm_cluster):
     assert m["world_size"] == 2 and m["replicas_in_sync"] is True, m
     assert m["final_loss"] < m["first_loss"], m
     cluster.stop()
-    assert cluster.tagged_pids() == [], "processes of the test cluster outlived it"
+    assert tagged_pids(cluster.marker) == [], "processes of the test cluster outlived it"
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["reap"]:
+    sys.stdin.read()  # returns at end of file: the test is over, or pytest died
+    reap(sys.argv[2], sys.argv[3:])
