@@ -1,0 +1,158 @@
+"""dp_baseline.py learns and compares, bench.py writes well-formed results: run as users run them.
+
+Everything runs on CPU (the `launch` fixture hides the GPUs) in a temporary directory,
+bounded by a timeout. No test asserts a speed: only that the figures exist and are positive.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cpu_env
+
+ROOT = Path(__file__).resolve().parent
+CONTRACT_KEYS = {"script", "world_size", "backend", "device", "epochs", "steps", "steps_per_epoch",
+                 "elapsed_s", "samples_per_s", "first_loss", "final_loss", "replicas_in_sync",
+                 "resumed_from_epoch", "mode", "dp_devices"}
+
+
+def assert_learned(record, epochs):
+    """Loss fell and the held-out accuracy is far above always answering the most common class."""
+    assert CONTRACT_KEYS <= record.keys(), CONTRACT_KEYS - record.keys()
+    assert record["epochs"] == epochs and len(record["losses"]) == epochs
+    assert record["final_loss"] < 0.5 * record["first_loss"], record["losses"]
+    assert 0.05 < record["chance_accuracy"] < 0.3
+    assert record["test_accuracy"] > record["chance_accuracy"] + 0.3, record
+    assert record["replicas_in_sync"] is True
+    assert record["samples_per_s"] > 0 and record["steady_samples_per_s"] > 0
+    assert record["peak_memory_mb"] > 0
+
+
+def test_dp_baseline_learns_on_cpu(launch, script, metrics, tmp_path):
+    out = launch([sys.executable, script("dp_baseline.py"), "--device", "cpu", "--metrics", "m.json"],
+                 timeout=300)
+    m = metrics(tmp_path / "m.json")
+    assert_learned(m, epochs=5)
+    assert (m["mode"], m["dp_devices"], m["world_size"], m["backend"]) == ("plain", 0, 1, None)
+    assert m["steps"] == 5 * m["steps_per_epoch"] == 5 * 8192 // 256
+    assert "DataParallel needs two or more GPUs" in out.stdout
+    assert sum(line.startswith("epoch ") for line in out.stdout.splitlines()) == 5
+    assert out.stdout.strip().splitlines()[-1].startswith("done: dp_baseline.py")
+
+
+def test_compare_trains_both_modes_to_the_same_model(launch, script, metrics, tmp_path):
+    out = launch([sys.executable, script("dp_baseline.py"), "--device", "cpu", "--compare",
+                  "--metrics", "m.json"], timeout=400)
+    m = metrics(tmp_path / "m.json")
+    single, ddp = m["compare"]
+    assert (single["mode"], ddp["mode"], m["mode"]) == ("plain", "ddp", "ddp")
+    assert (single["world_size"], ddp["world_size"], ddp["backend"]) == (1, 2, "gloo")
+    assert (single["batch_size_per_process"], ddp["batch_size_per_process"]) == (256, 128)
+    for record in (single, ddp):
+        assert_learned(record, epochs=5)
+    # the same global batches in the same order: the same optimizer steps, the same losses
+    assert single["steps"] == ddp["steps"]
+    assert ddp["losses"] == pytest.approx(single["losses"], abs=1e-3)
+    assert "peak memory per process" in out.stdout and "replicas: in sync" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("done: dp_baseline.py")
+
+
+@pytest.mark.parametrize("cmd", [["dp_baseline.py", "--compare", "--batch_size", "255"],
+                                 ["dp_baseline.py", "--ddp", "--compare"],
+                                 ["bench.py", "--only", "mlp,nonesuch"]])
+def test_bad_input_is_one_line_and_exit_2(launch, script, cmd):
+    out = launch([sys.executable, script(cmd[0]), *cmd[1:]], timeout=120, check=False)
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1, out
+    assert "Traceback" not in out.stderr
+
+
+def bench_command():
+    """`bash run.sh bench` once run.sh has the mode; until then the script itself."""
+    run_sh = ROOT / "run.sh"
+    if run_sh.exists() and "bench.py" in run_sh.read_text():
+        return ["bash", str(run_sh), "bench", "--quick"]
+    return [sys.executable, str(ROOT / "bench.py"), "--quick"]
+
+
+def test_bench_quick_writes_well_formed_results(launch, tmp_path):
+    out = launch(bench_command(), timeout=1200)
+    rows = json.loads((tmp_path / "bench_results.json").read_text())
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        assert {"benchmark", "mode", "world_size", "threads_per_process", "throughput", "unit",
+                "efficiency"} <= row.keys(), row
+        assert row["mode"] in {"ddp", "plain", "dp"} and row["unit"] in {"samples/s", "tokens/s"}
+        assert isinstance(row["world_size"], int) and row["world_size"] >= 1
+        assert isinstance(row["threads_per_process"], int) and row["threads_per_process"] >= 1  # CPU
+        assert math.isfinite(row["throughput"]) and row["throughput"] > 0, row
+        assert row["throughput"] == sorted(row["runs"])[len(row["runs"]) // 2]  # one run: its figure
+        assert row["efficiency"] is None or row["efficiency"] > 0
+    shapes = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]) for r in rows}
+    assert {("scaling", "mlp", "ddp", 1, "auto"), ("scaling", "mlp", "ddp", 2, "auto"),
+            ("threads", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"), ("threads", "mlp", "ddp", 2, "OMP_NUM_THREADS=2"),
+            ("dp_vs_ddp", "mlp", "plain", 1, "auto"), ("dp_vs_ddp", "mlp", "ddp", 2, "auto")} <= shapes
+    for r in rows:
+        if r["section"] == "scaling" and r["world_size"] == 1:
+            assert r["efficiency"] == 1.0
+    # every benchmark is either measured at 1 and 2 processes or skipped with a note that says why
+    for name, script in (("convnet", "ddp_main.py"), ("transformer", "ddp_transformer.py")):
+        measured = {r["world_size"] for r in rows if r["benchmark"] == name and r["section"] == "scaling"}
+        assert measured == {1, 2} or f"skipped {script}" in out.stdout, (name, out.stdout[-3000:])
+    assert "E(2) = " in out.stdout
+
+
+def descendants(pid):
+    """Every process below `pid`, from /proc."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid):
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_bench_stopped_mid_launch_leaves_no_process_behind(tmp_path):
+    """SIGTERM to bench while a DDP launch runs: the launch and its workers go with it."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "--quick", "--only", "mlp"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=cpu_env(), start_new_session=True)
+    workers = []
+    try:
+        assert any(line.startswith("[1/1] scaling mlp N=1") for line in proc.stdout)
+        deadline = time.monotonic() + 120
+        while len(descendants(proc.pid)) < 2 and time.monotonic() < deadline:  # the launcher and its worker
+            time.sleep(0.2)
+        workers = descendants(proc.pid)
+        assert len(workers) >= 2, "the launch never started its worker"
+        proc.terminate()
+        assert proc.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in workers if alive(p)]
+    finally:
+        for pid in [proc.pid, *workers]:  # whatever the outcome, this test leaves nothing behind either
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
