@@ -64,7 +64,8 @@ def convnet_sizes(n, quick):
 
 
 def transformer_sizes(n, quick):
-    return {"--max_steps": 5 if quick else 60, "--sample": 0, "--log_every": 0, "--eval_every": 0}
+    # --max_steps ends the run (at any N: steps are per process), epochs only bound it
+    return {"--max_steps": 5 if quick else 60, "--epochs": 100, "--sample": 0, "--log_every": 0}
 
 
 # name: script, launcher, required flags, metrics key, unit, workload per process count
@@ -161,22 +162,30 @@ def launch_env(device, omp_threads):
     return env
 
 
+def kill_session(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_bounded(cmd, cwd, env, timeout):
-    """Run `cmd` in its own session; the whole session is killed at the end, so no worker outlives it."""
+    """Run `cmd` in its own session; returns (exit code or None on timeout, stdout, stderr).
+
+    The whole session is killed at the end, whatever happened (a timeout, Ctrl-C, SIGTERM),
+    so no launcher or worker outlives it.
+    """
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc)
         out, err = proc.communicate()
         return None, out, err
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(proc)
 
 
 def script_flags(script, timeout):
@@ -194,9 +203,8 @@ def script_flags(script, timeout):
 
 def command(spec, flags, device, n, quick):
     """The launch command, with the workload flags the script understands; (None, why) if it lacks one it needs."""
-    needed = [a for a in ["--device", "--metrics", *spec["required"]] if a.startswith("--")]
-    if spec["launcher"] == "spawn":
-        needed.append("--nprocs")
+    needed = ["--device", "--metrics", *(a for a in spec["required"] if a.startswith("--")),
+              *(["--nprocs"] if spec["launcher"] == "spawn" else [])]
     missing = [f for f in needed if f not in flags]
     if missing:
         return None, f"{spec['script']} has no {', '.join(missing)}"
@@ -271,15 +279,14 @@ def expected_threads(setting, device):
 def measure(setting, args, flags):
     """One launch of a setting; appends its figure (or the reason it has none)."""
     spec = setting.spec
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # the launch's cwd: its checkpoints go with it
         metrics = os.path.join(tmp, "metrics.json")
-        cmd, why = command(spec, flags, args.device, setting.n, args.quick)
-        cmd = [*cmd, "--metrics", metrics]
+        cmd = command(spec, flags, args.device, setting.n, args.quick)[0] + ["--metrics", metrics]
         code, out, err = run_bounded(cmd, tmp, launch_env(args.device, setting.omp), args.timeout)
         if code != 0:
             last = (err.strip().splitlines() or ["no output"])[-1]
-            why = "timed out" if code is None else f"exit {code}: {last}"
-            setting.failures.append(f"{' '.join(cmd[:4])} ... : {why}")
+            setting.failures.append(f"{spec['script']}: " + (f"timed out after {args.timeout:.0f} s"
+                                                            if code is None else f"exit {code}: {last}"))
             return None
         try:
             with open(metrics) as f:
@@ -337,7 +344,7 @@ def print_table(rows, notes, args, load_before):
         print(f"{r['section']:10} {r['benchmark']:12} {r['mode']:6} {r['world_size']:>3} {threads:>8} "
               f"{r['thread_policy']:18} {r['throughput']:>12.0f} {r['unit']:10} {eff:>6}  "
               f"{' '.join(f'{x:.0f}' for x in r['runs'])}")
-    for line in summary_lines(rows) + notes:
+    for line in dict.fromkeys(summary_lines(rows) + notes):  # each note once
         print(line)
 
 
@@ -378,6 +385,23 @@ def write_json(path, record):
 
 
 # ---------------------------------------------------------------- main
+def runnable_settings(settings, args, notes):
+    """The settings whose script exists and has the flags it needs; a note for every other one."""
+    flags, runnable = {}, []
+    for s in settings:
+        script = s.spec["script"]
+        if script not in flags:
+            flags[script], why = script_flags(script, args.timeout)
+            if why:
+                notes.append(f"skipped {script}: {why}")
+        why = flags[script] is not None and command(s.spec, flags[script], args.device, s.n, args.quick)[1]
+        if why:
+            notes.append(f"skipped {s.name} ({s.section}): {why}")
+        elif flags[script] is not None:
+            runnable.append(s)
+    return runnable, flags
+
+
 def main():
     args = check_args(parse_args())
     # a SIGTERM unwinds like Ctrl-C, so the launch in flight is killed with its workers
@@ -386,20 +410,8 @@ def main():
     if load_before[0] > cores() / 2:
         print(f"note: load average {load_before[0]:.2f} on {cores()} cores: other work is running, "
               f"the figures will not be representative", flush=True)
-    settings, notes, flags = plan(args), [], {}
-    for s in settings:
-        if s.spec["script"] not in flags:
-            flags[s.spec["script"]], why = script_flags(s.spec["script"], args.timeout)
-            if why:
-                notes.append(f"skipped {s.spec['script']}: {why}")
-    runnable = []
-    for s in settings:
-        known = flags[s.spec["script"]]
-        why = None if known is None else command(s.spec, known, args.device, s.n, args.quick)[1]
-        if why:
-            notes.append(f"skipped {s.name} ({s.section}): {why}")
-        if known is not None and not why:
-            runnable.append(s)
+    notes = []
+    runnable, flags = runnable_settings(plan(args), args, notes)
     # repeats go round the settings, so a change in the machine's load spreads over all of them
     for repeat in range(args.repeats):
         for s in runnable:
@@ -409,7 +421,8 @@ def main():
                 continue
             file_run(s, *got, args.device)
     failures = [f"FAILED {s.section} {s.name} N={s.n} {s.policy}: {f}" for s in runnable for f in s.failures]
-    notes += [f"note: {s.name} N={s.n}: throughput over the whole run (warm-up included)"
+    notes += [f"note: {s.name} N={s.n}: {s.spec['key']} as {s.spec['script']} reports it (it writes no "
+              f"steady_{s.spec['key']} and prints no epoch lines): warm-up may be included"
               for s in runnable if "whole run" in s.how]
     rows = rows_from(runnable)
     print_table(rows, notes + failures, args, load_before)
