@@ -363,16 +363,15 @@ def run_single(args):
         print0(f"run: plain | {where} | global batch {args.batch_size} | "
                f"note: nn.DataParallel needs two or more GPUs, so this trains the plain module")
     run = fit(model, wrapped, device, args.batch_size, args)
-    # one process, one copy of the weights: DataParallel re-copies them to every GPU each step
-    record = summarize(run, mode, gpus if mode == "dp" else 0, device, threads,
-                       peak_memory_mb(devices), True, args)
-    return record
+    print0("replicas: one process, one copy of the weights (DataParallel copies it to every GPU each step)")
+    return summarize(run, mode, gpus if mode == "dp" else 0, device, threads,
+                     peak_memory_mb(devices), True, args)
 
 
 # ---------------------------------------------------------------- the DDP run
 def train_ddp(device, args):
     """One DDP process: the same model and data, a 1/world share of every global batch."""
-    torch.manual_seed(args.seed)  # the same initial weights as the single-process run (DDP broadcasts rank 0's anyway)
+    torch.manual_seed(args.seed)  # the single-process run's initial weights (DDP broadcasts rank 0's)
     model = SimpleModel().to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     world = dist.get_world_size()
