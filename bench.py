@@ -412,14 +412,18 @@ def main():
               f"the figures will not be representative", flush=True)
     notes = []
     runnable, flags = runnable_settings(plan(args), args, notes)
-    # repeats go round the settings, so a change in the machine's load spreads over all of them
-    for repeat in range(args.repeats):
-        for s in runnable:
-            print(f"[{repeat + 1}/{args.repeats}] {s.section} {s.name} N={s.n} {s.policy}", flush=True)
-            got = measure(s, args, flags[s.spec["script"]])
-            if got is None:
-                continue
-            file_run(s, *got, args.device)
+    stopped = None
+    try:
+        # repeats go round the settings, so a change in the machine's load spreads over all of them
+        for repeat in range(args.repeats):
+            for s in runnable:
+                print(f"[{repeat + 1}/{args.repeats}] {s.section} {s.name} N={s.n} {s.policy}", flush=True)
+                got = measure(s, args, flags[s.spec["script"]])
+                if got is not None:
+                    file_run(s, *got, args.device)
+    except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C or SIGTERM: keep what was measured
+        stopped = e.code if isinstance(e, SystemExit) else 130
+        notes.append("INTERRUPTED: the table holds the runs finished so far")
     failures = [f"FAILED {s.section} {s.name} N={s.n} {s.policy}: {f}" for s in runnable for f in s.failures]
     notes += [f"note: {s.name} N={s.n}: {s.spec['key']} as {s.spec['script']} reports it (it writes no "
               f"steady_{s.spec['key']} and prints no epoch lines): warm-up may be included"
@@ -428,8 +432,8 @@ def main():
     print_table(rows, notes + failures, args, load_before)
     write_json(args.out, rows)
     print(f"wrote {len(rows)} rows to {os.path.abspath(args.out)}", flush=True)
-    if failures:
-        sys.exit(1)
+    if stopped is not None or failures:
+        sys.exit(stopped or 1)
 
 
 if __name__ == "__main__":
