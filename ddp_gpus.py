@@ -88,6 +88,8 @@ def check_args(args):
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.backend == "nccl" and args.device != "cuda":
         fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    if args.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
+        fail(f"the folder of {args.metrics} does not exist", "create it first, or pass another path")
     if args.nprocs is None:
         args.nprocs = gpus if args.device == "cuda" else 2
     if args.nprocs <= 0:
@@ -104,6 +106,16 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
 
 
 def cpu_threads(procs_on_this_machine):
@@ -124,7 +136,10 @@ def setup(rank, world_size, local_rank, args):
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
-    return device
+    # a second group, always gloo, only to find a rank that stopped responding: after a
+    # timeout the main group's connections are closed, this one can still ask who is missing
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    return device, health
 
 
 def cleanup():
@@ -135,11 +150,22 @@ def cleanup():
     run are cleared and the garbage collector frees DDP's reducer first.
     """
     error = sys.exc_info()[1]
-    if error is not None:
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
         traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def explain_timeout(error, health, timeout):
+    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+        who = "every rank answered afterwards"
+    except RuntimeError as e:
+        who = str(e).strip().splitlines()[0]
+    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
 def print0(*args, **kwargs):
@@ -274,9 +300,13 @@ def train(device, args):
 
 def main(rank, args):
     """One process of the job; `mp.spawn` passes the rank first."""
-    device = setup(rank, args.nprocs, rank, args)
+    device, health = setup(rank, args.nprocs, rank, args)
     try:
         in_sync = train(device, args)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise explain_timeout(error, health, args.timeout) from error
     finally:
         cleanup()
     if not in_sync:
@@ -286,14 +316,21 @@ def main(rank, args):
 def run():
     args = check_args(parse_args())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if "MASTER_PORT" in os.environ:
+        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    else:
+        os.environ["MASTER_PORT"] = str(free_port())
     try:
-        mp.spawn(main, args=(args,), nprocs=args.nprocs, join=True)
+        context = mp.spawn(main, args=(args,), nprocs=args.nprocs, join=False)
+        while not context.join(grace_period=3):  # after a failure, a frozen rank is killed in seconds
+            pass
     except mp.ProcessRaisedException as e:
         # the failing rank's traceback, printed once; spawn has already ended the others
         print(f"error: a process failed\n{e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except mp.ProcessExitedException as e:
+        if e.exit_code == 2:
+            sys.exit(2)  # bad input: that process printed its one error line
         print(f"error: process {e.error_index} exited with code {e.exit_code}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 

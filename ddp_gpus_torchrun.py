@@ -32,6 +32,7 @@ import argparse
 import gc
 import json
 import os
+import pickle
 import socket
 import sys
 import time
@@ -99,6 +100,9 @@ def check_args(args):
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.backend == "nccl" and args.device != "cuda":
         fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    for path in (args.snapshot_path, args.metrics):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
     if args.device == "cuda" and env_int("LOCAL_RANK", 0) >= gpus:
         fail(f"LOCAL_RANK {env_int('LOCAL_RANK', 0)} but only {gpus} GPU(s) are visible",
              f"start at most {gpus} processes per node, or use --device cpu")
@@ -115,6 +119,16 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
 
 
 def cpu_threads(procs_on_this_machine):
@@ -143,7 +157,10 @@ def setup(args):
                   "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr, flush=True)
     dist.init_process_group(args.backend, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1),
                             timeout=timedelta(seconds=args.timeout))
-    return device
+    # a second group, always gloo, only to find a rank that stopped responding: after a
+    # timeout the main group's connections are closed, this one can still ask who is missing
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    return device, health
 
 
 def cleanup():
@@ -154,11 +171,22 @@ def cleanup():
     run are cleared and the garbage collector frees DDP's reducer first.
     """
     error = sys.exc_info()[1]
-    if error is not None:
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
         traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def explain_timeout(error, health, timeout):
+    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+        who = "every rank answered afterwards"
+    except RuntimeError as e:
+        who = str(e).strip().splitlines()[0]
+    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
 def print0(*args, **kwargs):
@@ -189,6 +217,35 @@ class MyTrainDataset(Dataset):
         return self.x[index], self.y[index]
 
 
+# ---------------------------------------------------------------- checkpoints
+def load_checkpoint(path, device):
+    """Read a checkpoint as data only: a bad file is one clear error, not a traceback per rank."""
+    try:
+        # weights_only: tensors and plain values; a pickled object is refused before it can run
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+
+
+def check_compatible(state, model, path):
+    """A checkpoint of another model or configuration: say what differs, in one line."""
+    mine = model.state_dict()
+    if not isinstance(state, dict) or set(state) != set(mine):
+        theirs = set(state) if isinstance(state, dict) else set()
+        fail(f"{path} is for another model (missing {sorted(set(mine) - theirs)[:3]}, "
+             f"unexpected {sorted(theirs - set(mine))[:3]})", "delete it, or use the configuration that wrote it")
+    for name, tensor in mine.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            fail(f"{path} is for another configuration: {name} is {tuple(state[name].shape)} there, "
+                 f"{tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+
+
 # ---------------------------------------------------------------- model / trainer
 class Trainer:
     def __init__(self, model, train_dataloader, optimizer, device, save_every, snapshot_path):
@@ -207,8 +264,10 @@ class Trainer:
         self.steps = 0
 
     def _load_snapshot(self, model):
-        # weights_only: a snapshot is data; loading it must never run code
-        snapshot = torch.load(self.snapshot_path, map_location=self.device, weights_only=True)
+        snapshot = load_checkpoint(self.snapshot_path, self.device)
+        if not isinstance(snapshot, dict) or not {"model", "optimizer", "epochs_run"} <= set(snapshot):
+            fail(f"{self.snapshot_path} is not a snapshot of this script", "delete it, or pass another --snapshot_path")
+        check_compatible(snapshot["model"], model, self.snapshot_path)
         model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.epochs_run = snapshot["epochs_run"]
@@ -339,10 +398,17 @@ def main():
     if "RANK" not in os.environ:  # plain `python ddp_gpus_torchrun.py`: a one-process world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    device = setup(args)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    elif env_int("RANK", 0) == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])  # a hand-made launch
+    device, health = setup(args)
     try:
         in_sync = train(device, args)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise explain_timeout(error, health, args.timeout) from error
     finally:
         cleanup()
     if not in_sync:

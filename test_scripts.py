@@ -6,7 +6,6 @@ about behaviour: the loss falls, replicas agree, step counts are as computed, a 
 resumes exactly, bad input gets one line and exit code 2, exits are clean.
 """
 import math
-import os
 import re
 import socket
 import subprocess
@@ -170,7 +169,7 @@ def _ddp_equivalence_worker(rank, world, port, batch, steps, out):
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(20, 1))
         # step s: rank r takes the r-th half of the global batch of 2B samples
-        start = lambda s: s * world * batch + rank * batch  # noqa: E731
+        start = lambda s: s * world * batch + rank * batch
         _train(model, [(x[start(s):start(s) + batch], y[start(s):start(s) + batch]) for s in range(steps)])
         if rank == 0:
             torch.save(model.module.state_dict(), out)
@@ -247,7 +246,7 @@ def test_distributed_sampler_shards_disjoint_cover_and_reshuffle():
 # ---------------------------------------------------------------- run.sh
 def test_run_sh_help_lists_every_tested_mode(launch):
     r = launch(["bash", ROOT / "run.sh", "--help"], timeout=60)
-    listed = re.findall(r"^  (\S+)\s", r.stdout, flags=re.M)
+    listed = re.findall(r"^  (\S+)\s", r.stdout, flags=re.MULTILINE)
     assert listed == RUN_SH_MODES, "a run.sh mode without a test (or a test without a mode)"
 
 
