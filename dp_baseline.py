@@ -225,7 +225,7 @@ def train_epoch(model, train_set, batches, optimizer):
     """One pass over this process's batches; returns global (mean loss, accuracy, samples)."""
     model.train()
     x, y = train_set.tensors
-    # [sum of per-sample losses, correct, samples] on the device: no host sync per step
+    # [sum of per-sample losses, correct, samples]; the first two stay on the device: no host sync per step
     totals = torch.zeros(3, dtype=torch.float64, device=x.device)
     for idx in batches:
         xs, ys = x[idx], y[idx]
@@ -234,9 +234,9 @@ def train_epoch(model, train_set, batches, optimizer):
         loss = F.cross_entropy(out, ys)
         loss.backward()  # DataParallel reduces the gradients onto GPU 0; DDP all-reduces them
         optimizer.step()
-        totals += torch.stack([loss.detach().double() * len(ys),
-                               (out.argmax(dim=1) == ys).sum().double(),
-                               torch.tensor(float(len(ys)), dtype=torch.float64, device=x.device)])
+        totals[0] += loss.detach().double() * len(ys)
+        totals[1] += (out.argmax(dim=1) == ys).sum()
+        totals[2] += len(ys)
     loss_sum, correct, samples = all_reduce_if_distributed(totals).tolist()
     return loss_sum / samples, correct / samples, int(samples)
 
