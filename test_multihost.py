@@ -330,10 +330,11 @@ def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
 
 def test_c10d_elastic_two_hosts(hosts, tmp_path):
     """`--rdzv-backend=c10d --nnodes=1:2`: host 1 arrives late but within the last call, both train."""
-    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"]
+    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"][0], 1  # one process per host: a world of 2
     metrics = tmp_path / "metrics.json"
     before = [hosts.veth_bytes(i) for i in range(2)]
-    # host 0 hosts the c10d store: it recognises 10.77.0.1 as its own address
+    # host 0 hosts the c10d store: its hostname resolves to 10.77.0.1, the endpoint's address.
+    # c10d numbers the nodes by hostname, so ddp-host0 gets rank 0 and ddp-host1 rank 1.
     argv = torchrun_cmd() + ["--nnodes=1:2", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                              f"--rdzv-endpoint={ADDRS[0]}:29400", "--rdzv-id=elastic-job",
                              "--rdzv-conf=join_timeout=120,last_call_timeout=30",
@@ -361,6 +362,18 @@ def test_c10d_second_host_never_arrives(hosts, tmp_path):
 
 
 # ---------------------------------------------------------------- a one-node SLURM cluster
+def test_sbatch_script_refuses_bad_use(tmp_path):
+    """Without a training script, or outside a job: one line `error: ...` and exit 2."""
+    sbatch = ROOT / "slurm" / "train.sbatch"
+    env = cpu_env()
+    for name in [n for n in env if n.startswith("SLURM_")]:
+        env.pop(name)
+    empty = sh(["bash", sbatch], env=env, check=False, cwd=tmp_path)
+    assert empty.returncode == 2 and empty.stderr.startswith("error: no training script"), empty
+    outside = sh(["bash", sbatch, "ddp_gpus_torchrun.py"], env=env, check=False, cwd=tmp_path)
+    assert outside.returncode == 2 and outside.stderr.startswith("error: not inside a SLURM job"), outside
+
+
 SLURM_CONF = """\
 # A private one-node cluster for the tests: its own ports, state and munge socket.
 ClusterName=ddptest
