@@ -218,6 +218,17 @@ class MyTrainDataset(Dataset):
 
 
 # ---------------------------------------------------------------- checkpoints
+def save_checkpoint(state, path):
+    """Write to a temporary file, then rename: a crash mid-write leaves the previous file intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic on POSIX
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def load_checkpoint(path, device):
     """Read a checkpoint as data only: a bad file is one clear error, not a traceback per rank."""
     try:
@@ -286,9 +297,7 @@ class Trainer:
         if dist.get_rank() == 0:
             snapshot = {"model": self.model.module.state_dict(),
                         "optimizer": self.optimizer.state_dict(), "epochs_run": epochs_run}
-            tmp = f"{self.snapshot_path}.tmp{os.getpid()}"
-            torch.save(snapshot, tmp)
-            os.replace(tmp, self.snapshot_path)  # atomic: a crash mid-write keeps the old snapshot
+            save_checkpoint(snapshot, self.snapshot_path)
         dist.barrier()  # nobody reads the snapshot before it is complete
 
     def _run_batch(self, xs, ys):

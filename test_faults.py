@@ -1,0 +1,323 @@
+"""Fault injection: do to the scripts what the world does, from outside the process.
+
+A worker killed mid-run, a rank that freezes, a checkpoint write cut short, a
+checkpoint that carries code, a checkpoint of another model, a port already taken,
+two jobs started at once. Every launch runs in its own process session, is bounded
+by a timeout, and is killed with everything it started when the test ends, pass or fail.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, torchrun_cmd
+
+TORCHRUN = torchrun_cmd()
+# torch 2.14's torchrun shares one rendezvous store across restarts, and restarted gloo
+# workers then read the dead workers' addresses (see README, pitfalls)
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+# ---------------------------------------------------------------- helpers
+class Job:
+    """A launched command in its own session; always killed (with its workers) at the end of the test."""
+
+    def __init__(self, cmd, cwd, env=None):
+        self.out_path, self.err_path = cwd / "job.out", cwd / "job.err"
+        self.proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or cpu_env(), text=True,
+                                     stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"),
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def stdout(self):
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self):
+        return self.err_path.read_text()
+
+    def workers(self):
+        """Python processes below the launcher (torchrun's workers, or mp.spawn's children)."""
+        found, frontier = [], [self.proc.pid]
+        while frontier:
+            parent = frontier.pop()
+            for pid in _children(parent):
+                frontier.append(pid)
+                if "resource_tracker" not in _cmdline(pid):
+                    found.append(pid)
+        return found
+
+    def wait(self, timeout):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit within {timeout} s\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}")
+
+    def __str__(self):
+        return f"exit {self.proc.returncode}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"waited {timeout} s for {what}")
+
+
+@pytest.fixture
+def jobs():
+    started = []
+
+    def start(cmd, cwd, env=None):
+        job = Job(cmd, cwd, env)
+        started.append(job)
+        return job
+    yield start
+    for job in started:
+        for pid in job.workers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_group(job.proc)
+        job.proc.wait()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- 1. a worker killed under torchrun
+# per script: arguments that make an epoch last long enough to kill a worker inside a later one,
+# where its snapshot/checkpoint goes, and how to read the final weights from it
+KILL_CASES = {
+    "ddp_gpus_torchrun.py": (["--max_epochs", "3", "--samples", "65536", "-b", "8"], "--snapshot_path", "model"),
+}
+
+
+def _weights(path, key):
+    return torch.load(path, map_location="cpu", weights_only=True)[key]
+
+
+@pytest.mark.parametrize("name", sorted(KILL_CASES))
+def test_killed_worker_restarts_and_matches_uninterrupted(name, jobs, tmp_path):
+    args, ckpt_flag, key = KILL_CASES[name]
+    base = [*TORCHRUN, "--standalone", "--nproc-per-node=2"]
+    common = [ROOT / name, "--device", "cpu", *args]
+
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    run_bounded([*base, *common, ckpt_flag, ref_dir / "ckpt.pt"], ref_dir, timeout=240)
+
+    job = jobs([*base, "--max-restarts=1", *common, ckpt_flag, tmp_path / "ckpt.pt", "--metrics", tmp_path / "m.json"],
+               tmp_path, cpu_env(**RESTART_ENV))
+    wait_until(lambda: (tmp_path / "ckpt.pt").exists(), 180, "the first checkpoint")
+    victim = job.workers()[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert job.wait(240) == 0, str(job)
+    m = read_metrics(tmp_path / "m.json")
+    assert m["restarts"] == 1 and m["resumed_from_epoch"] >= 1 and m["replicas_in_sync"] is True, m
+    print(f"{name}: killed worker {victim}; finished {time.monotonic() - killed_at:.1f} s later, "
+          f"resumed from epoch {m['resumed_from_epoch']}")
+
+    resumed, reference = _weights(tmp_path / "ckpt.pt", key), _weights(ref_dir / "ckpt.pt", key)
+    for param in reference:
+        assert torch.allclose(resumed[param], reference[param], rtol=1e-5, atol=1e-6), param
+
+
+def test_killed_worker_without_restarts_ends_the_job(jobs, tmp_path):
+    job = jobs([*TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=0", ROOT / "ddp_gpus_torchrun.py",
+                "--device", "cpu", "--max_epochs", "50", "--samples", "65536", "-b", "8"], tmp_path)
+    wait_until(lambda: "Epoch: 0" in job.stdout, 120, "training to start")
+    workers = job.workers()
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    start = time.monotonic()
+    assert job.wait(60) != 0
+    took = time.monotonic() - start
+    assert took < 30, f"the job took {took:.1f} s to end"
+    wait_until(lambda: not any(alive(p) for p in workers), 10, "every worker to be gone")
+
+
+# ---------------------------------------------------------------- 2. a rank that stops responding
+FREEZE_CASES = {
+    "spawn ddp_gpus.py": [sys.executable, ROOT / "ddp_gpus.py", "--nprocs", "2"],
+    "torchrun ddp_gpus_torchrun.py": [*TORCHRUN, "--standalone", "--nproc-per-node=2", ROOT / "ddp_gpus_torchrun.py"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(FREEZE_CASES))
+def test_frozen_rank_is_named_and_the_job_ends(case, jobs, tmp_path):
+    timeout = 5
+    job = jobs([*FREEZE_CASES[case], "--device", "cpu", "--timeout", timeout, "--max_epochs", "50",
+                "--samples", "65536", "-b", "8"], tmp_path)
+    wait_until(lambda: "Epoch: 0" in job.stdout, 120, "training to start")
+    workers = job.workers()
+    assert len(workers) == 2, workers
+    frozen_rank = 1
+    os.kill(workers[frozen_rank], signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+    start = time.monotonic()
+    assert job.wait(120) != 0, str(job)
+    took = time.monotonic() - start
+    # the survivors fail after --timeout and name the rank (torchrun then waits up to 30 s for SIGTERM)
+    assert re.search(rf"Ranks? {frozen_rank} failed to pass monitoredBarrier", job.stdout + job.stderr), str(job)
+    assert f"--timeout {timeout} s" in job.stdout + job.stderr
+    print(f"{case}: the job ended {took:.1f} s after rank {frozen_rank} froze")
+    wait_until(lambda: not any(alive(p) for p in workers), 10, "every worker, the frozen one too, to be gone")
+
+
+# ---------------------------------------------------------------- 3. killed while writing a checkpoint
+def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); import torch; "
+            "from ddp_gpus_torchrun import save_checkpoint; "
+            "save_checkpoint({'step': 1, 'x': torch.zeros(3)}, 'ckpt.pt'); print('saved', flush=True); "
+            "save_checkpoint({'step': 2, 'x': torch.randn(60_000_000)}, 'ckpt.pt')")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=cpu_env(), stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        wait_until(lambda: any(p.name.startswith("ckpt.pt.tmp") and p.stat().st_size > 0 for p in tmp_path.iterdir()),
+                   60, "the second write to begin")
+        proc.kill()  # SIGKILL in the middle of writing 240 MB
+    finally:
+        kill_group(proc)
+        proc.wait()
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["step"] == 1 and torch.equal(state["x"], torch.zeros(3))
+
+
+# ---------------------------------------------------------------- 4, 5, 6. bad checkpoints and bad input
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _one_error_line(r, *needles):
+    assert r.returncode == 2, str(r)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), str(r)
+    for needle in needles:
+        assert needle in lines[0], str(r)
+
+
+def test_pickled_checkpoint_is_refused_and_nothing_runs(launch, tmp_path):
+    marker = tmp_path / "PWNED"
+    torch.save({"model": Evil(marker), "optimizer": {}, "epochs_run": 1}, tmp_path / "evil.pt")
+    r = launch([sys.executable, ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--snapshot_path",
+                tmp_path / "evil.pt"], timeout=60, check=False)
+    _one_error_line(r, "pickled", "evil.pt")
+    assert not marker.exists(), "loading the checkpoint ran its code"
+
+
+def test_checkpoint_of_another_model_is_one_line(launch, tmp_path):
+    other = torch.nn.Linear(30, 1)
+    torch.save({"model": other.state_dict(), "optimizer": {}, "epochs_run": 1}, tmp_path / "other.pt")
+    r = launch([sys.executable, ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--snapshot_path",
+                tmp_path / "other.pt"], timeout=60, check=False)
+    _one_error_line(r, "weight", "(1, 30)", "(1, 20)")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "directory", "garbage"])
+def test_unreadable_checkpoint_is_one_line(launch, tmp_path, damage):
+    path = tmp_path / "snap.pt"
+    if damage == "directory":
+        path.mkdir()
+    else:
+        torch.save({"model": torch.nn.Linear(20, 1).state_dict(), "optimizer": {}, "epochs_run": 1}, path)
+        data = path.read_bytes()
+        path.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"not a checkpoint\n" * 10)
+    r = launch([sys.executable, ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--snapshot_path", path],
+               timeout=60, check=False)
+    _one_error_line(r, "snap.pt")
+
+
+@pytest.mark.parametrize("name", ["ddp_minimal.py", "ddp_gpus.py"])
+def test_master_port_in_use_is_named(launch, tmp_path, name):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = launch([sys.executable, ROOT / name, "--device", "cpu"], env=cpu_env(MASTER_PORT=port),
+                   timeout=60, check=False)
+    _one_error_line(r, f"MASTER_PORT {port}", "in use")
+
+
+def test_hand_launch_master_port_in_use_is_named(launch, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = launch([sys.executable, ROOT / "ddp_gpus_torchrun.py", "--device", "cpu"],
+                   env=cpu_env(RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                   timeout=60, check=False)
+    _one_error_line(r, f"MASTER_PORT {port}")
+
+
+# ---------------------------------------------------------------- 7. two jobs at the same moment
+def test_two_spawn_jobs_at_once_both_succeed(jobs, tmp_path):
+    started = []
+    for i in range(2):
+        work = tmp_path / f"job{i}"
+        work.mkdir()
+        started.append((jobs([sys.executable, ROOT / "ddp_gpus.py", "--device", "cpu", "-e", "2",
+                              "--metrics", work / "m.json"], work), work))
+    for job, work in started:
+        assert job.wait(180) == 0, str(job)
+        assert read_metrics(work / "m.json")["replicas_in_sync"] is True
+
+
+# ---------------------------------------------------------------- 8. clean exits, 20 in a row (slow)
+SOAK = {
+    "ddp_minimal.py": [sys.executable, ROOT / "ddp_minimal.py", "--device", "cpu"],
+    "ddp_gpus.py": [sys.executable, ROOT / "ddp_gpus.py", "--device", "cpu", "-e", "1"],
+    "ddp_gpus_torchrun.py": [*TORCHRUN, "--standalone", "--nproc-per-node=2", ROOT / "ddp_gpus_torchrun.py",
+                             "--device", "cpu", "-e", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SOAK))
+def test_twenty_clean_exits_in_a_row(name, tmp_path):
+    for i in range(20):
+        work = tmp_path / str(i)
+        work.mkdir()
+        r = run_bounded(SOAK[name], work, timeout=120, check=False)
+        assert r.returncode == 0 and "terminate called" not in r.stderr, f"launch {i + 1}/20\n{r}"
