@@ -84,25 +84,24 @@ EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.*?\| ([\d.]+) samples/s \|", re.MU
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # each help states its default
     p.add_argument("--quick", action="store_true",
                    help="one run of each setting on tiny workloads, thread rows for the MLP only: "
                         "checks that everything runs (tests), measures nothing")
     p.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="runs per setting; the figure is their median (default: 3, 1 with --quick)")
     p.add_argument("--only", default=",".join([*BENCHMARKS, "dp_vs_ddp"]), metavar="NAMES",
-                   help="comma-separated subset of: " + ", ".join([*BENCHMARKS, "dp_vs_ddp"]))
+                   help="comma-separated subset of: %(default)s (default: all)")
     p.add_argument("--no-threads", dest="threads", action="store_false",
                    help="skip the thread-policy rows (CPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto: the GPUs when there are any, else CPU")
+                   help="auto (default): the GPUs when there are any, else CPU")
     p.add_argument("--max_nprocs", type=int, default=None, metavar="N",
                    help="largest process count (default: the GPU count, 2 on CPU)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="limit for each launch; it is killed with all its processes after that "
                         "(default: 600, 300 with --quick)")
-    p.add_argument("--out", default="bench_results.json", metavar="PATH", help="where to write the rows")
+    p.add_argument("--out", default="bench_results.json", metavar="PATH", help="where to write the rows (default: %(default)s)")
     return p.parse_args(argv)
 
 
