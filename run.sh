@@ -59,8 +59,10 @@ EOF
 
 # ---------------------------------------------------------------- modes
 declare -A DESC
-MODES=()
+MODES=()     # run by `bash run.sh`
+EXTRA=()     # run only when named: root-only, or long
 mode() { MODES+=("$1"); DESC[$1]="$2"; }
+extra_mode() { EXTRA+=("$1"); DESC[$1]="$2"; }
 
 mode minimal "ddp_minimal.py: one DDP step with mp.spawn, replicas identical"
 run_minimal() {
@@ -137,12 +139,84 @@ run_restart() {
     wait "$agent" && check_metrics m.json "m['restarts'] >= 1" "m['resumed_from_epoch'] >= 1" "m['epochs'] == 4"
 }
 
+# ---------------------------------------------------------------- modes beyond one machine (root)
+# two "hosts" on one machine: network namespaces joined by a veth pair (root only)
+NETNS=(ddprun$$h0 ddprun$$h1)
+NETNS_ADDR=(10.77.0.1 10.77.0.2)   # exists only inside the two namespaces
+
+netns_up() {
+    if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null 2>&1; then
+        echo "skip: needs root and iproute2 (ip netns)"; return 1
+    fi
+    # run.sh runs each mode in a subshell: this trap removes the hosts however the mode ends
+    trap netns_down EXIT
+    trap 'exit 130' INT TERM
+    if ! { ip netns add "${NETNS[0]}" && ip netns add "${NETNS[1]}"; }; then
+        echo "skip: ip netns add failed (no network namespaces here)"; return 1
+    fi
+    # both ends are created inside the namespaces: the machine's own network never sees them
+    ip link add ddp0 netns "${NETNS[0]}" type veth peer name ddp0 netns "${NETNS[1]}" || return 1
+    for i in 0 1; do
+        ip -n "${NETNS[i]}" addr add "${NETNS_ADDR[i]}/24" dev ddp0 &&
+        ip -n "${NETNS[i]}" link set lo up && ip -n "${NETNS[i]}" link set ddp0 up || return 1
+        # each host gets a hostname (below) that its /etc/hosts resolves, as on a real network
+        # (`ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts)
+        mkdir -p "/etc/netns/${NETNS[i]}"
+        printf '127.0.0.1 localhost\n%s ddp-host0\n%s ddp-host1\n' "${NETNS_ADDR[@]}" \
+            > "/etc/netns/${NETNS[i]}/hosts"
+        echo "host$i: ${NETNS[i]}, ${NETNS_ADDR[i]} on ddp0"
+    done
+}
+
+netns_down() {
+    local n
+    for n in "${NETNS[@]}"; do
+        ip netns pids "$n" 2>/dev/null | xargs -r kill -9 2>/dev/null
+        ip netns del "$n" 2>/dev/null
+        rm -rf "/etc/netns/$n"
+    done
+    return 0
+}
+
+# netns_train RDZV-ARGS...: one torchrun agent per host, 2 CPU processes each, gloo on ddp0
+netns_train() {
+    local pids=() rc=0 i p
+    for i in 0 1; do
+        # gloo binds the interface named here; without it, it binds what the hostname resolves to
+        # unshare --uts: a hostname of its own, which torchrun hands to the other host
+        CUDA_VISIBLE_DEVICES= GLOO_SOCKET_IFNAME=ddp0 ip netns exec "${NETNS[i]}" \
+            unshare --uts sh -c 'hostname "$0" && exec "$@"' "ddp-host$i" \
+            "${TORCHRUN[@]}" "${@//NODE_RANK/$i}" --nproc-per-node=2 "$HERE/ddp_gpus_torchrun.py" \
+            --device cpu --max_epochs 5 --batch_size 32 --snapshot_path "host$i.pt" --metrics m.json &
+        pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    [ $rc = 0 ] && check_metrics m.json "m['world_size'] == 4" "m['final_loss'] < m['first_loss']"
+}
+
+extra_mode netns "ddp_gpus_torchrun.py: two hosts (network namespaces + veth, root only), --nnodes=2 --node-rank=0/1"
+run_netns() {
+    netns_up || return 0
+    netns_train --nnodes=2 --node-rank=NODE_RANK --master-addr="${NETNS_ADDR[0]}" --master-port=29500
+}
+
+extra_mode netns-elastic "ddp_gpus_torchrun.py: two hosts (network namespaces + veth, root only), c10d --nnodes=1:2"
+run_netns-elastic() {
+    netns_up || return 0
+    # host0 hosts the c10d store: its hostname resolves to 10.77.0.1, the endpoint's address
+    # (a host that cannot tell needs --rdzv-conf=is_host=1 there)
+    netns_train --nnodes=1:2 --rdzv-backend=c10d --rdzv-endpoint="${NETNS_ADDR[0]}:29400" \
+        --rdzv-id=run-sh --rdzv-conf=join_timeout=120,last_call_timeout=30
+}
+
 # ---------------------------------------------------------------- driver
 usage() {
-    echo "usage: bash run.sh [MODE...]    (no MODE: all of them)"
+    echo "usage: bash run.sh [MODE...]    (no MODE: every mode under 'modes')"
     echo "machine: $N x $DEVICE"
     echo "modes:"
     for m in "${MODES[@]}"; do printf '  %-16s %s\n' "$m" "${DESC[$m]}"; done
+    echo "run only when named:"
+    for m in "${EXTRA[@]}"; do printf '  %-16s %s\n' "$m" "${DESC[$m]}"; done
 }
 
 main() {
