@@ -6,6 +6,7 @@ about behaviour: the loss falls, replicas agree, step counts are as computed, a 
 resumes exactly, bad input gets one line and exit code 2, exits are clean.
 """
 import math
+import os
 import re
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from torch.utils.data import DistributedSampler
 from conftest import ROOT, cpu_env, read_metrics, run_bounded
 
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart"]
+RUN_SH_EXTRA = ["netns", "netns-elastic"]
 
 
 # ---------------------------------------------------------------- ddp_minimal.py
@@ -246,14 +248,23 @@ def test_distributed_sampler_shards_disjoint_cover_and_reshuffle():
 # ---------------------------------------------------------------- run.sh
 def test_run_sh_help_lists_every_tested_mode(launch):
     r = launch(["bash", ROOT / "run.sh", "--help"], timeout=60)
-    listed = re.findall(r"^  (\S+)\s", r.stdout, flags=re.MULTILINE)
-    assert listed == RUN_SH_MODES, "a run.sh mode without a test (or a test without a mode)"
+    default, _, extra = r.stdout.partition("run only when named:")
+    assert re.findall(r"^  (\S+)\s", default, flags=re.MULTILINE) == RUN_SH_MODES, "a run.sh mode without a test"
+    assert re.findall(r"^  (\S+)\s", extra, flags=re.MULTILINE) == RUN_SH_EXTRA, "a run.sh mode without a test"
 
 
 @pytest.mark.parametrize("mode", RUN_SH_MODES)
 def test_run_sh_mode_passes(launch, mode):
     r = launch(["bash", ROOT / "run.sh", mode], timeout=180)
     assert f"PASS  {mode}" in r.stdout and "1 passed, 0 failed" in r.stdout, str(r)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_run_sh_two_host_modes_pass(launch):
+    """The same commands as test_multihost.py's, through run.sh (which removes its namespaces itself)."""
+    r = launch(["bash", ROOT / "run.sh", "netns", "netns-elastic"], timeout=300)
+    assert "2 passed, 0 failed" in r.stdout and "skip:" not in r.stdout, str(r)
 
 
 def test_run_sh_unknown_mode_is_an_error(launch):
