@@ -36,6 +36,13 @@ free_port() {
     "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# wait_all PID...: wait for every one; fails if any failed
+wait_all() {
+    local rc=0 p
+    for p in "$@"; do wait "$p" || rc=1; done
+    return $rc
+}
+
 # check_metrics FILE [PYTHON-CONDITION...]: the run finished, the loss fell, replicas agree
 check_metrics() {
     local file="$1"; shift
@@ -96,29 +103,28 @@ run_launch() {
 mode manual "ddp_gpus_torchrun.py: $N processes started by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
 run_manual() {
     # the seeds' two-machine recipe on one machine: each process is told its place in the job
-    local port pids=() rc=0 r
+    local port pids=() r
     port="$(free_port)"
     for ((r = 0; r < N; r++)); do
         RANK=$r LOCAL_RANK=$r WORLD_SIZE=$N MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
             "$PY" "$HERE/ddp_gpus_torchrun.py" --max_epochs 5 --batch_size 32 --metrics m.json &
         pids+=($!)
     done
-    for r in "${pids[@]}"; do wait "$r" || rc=1; done
-    [ $rc = 0 ] && check_metrics m.json "m['world_size'] == $N" "m['final_loss'] < m['first_loss']"
+    wait_all "${pids[@]}" && check_metrics m.json "m['world_size'] == $N" "m['final_loss'] < m['first_loss']"
 }
 
 mode nodes "ddp_gpus_torchrun.py: two torchrun agents as two nodes (--nnodes=2 --node-rank=0/1) on 127.0.0.1"
 run_nodes() {
-    local port per_node=$((N / 2)) dev=() a b
+    local port per_node=$((N / 2)) dev=() pids=() node
     port="$(free_port)"
     if [ "$per_node" -lt 1 ]; then per_node=1; dev=(--device cpu); fi  # one GPU cannot host two ranks
     for node in 0 1; do
         "${TORCHRUN[@]}" --nnodes=2 --node-rank=$node --nproc-per-node=$per_node \
             --master-addr=127.0.0.1 --master-port="$port" "$HERE/ddp_gpus_torchrun.py" \
             --max_epochs 5 --batch_size 32 --metrics m.json "${dev[@]}" &
-        [ $node = 0 ] && a=$! || b=$!
+        pids+=($!)
     done
-    wait "$a" && wait "$b" && check_metrics m.json "m['world_size'] == $((2 * per_node))" \
+    wait_all "${pids[@]}" && check_metrics m.json "m['world_size'] == $((2 * per_node))" \
         "m['final_loss'] < m['first_loss']"
 }
 
@@ -180,7 +186,7 @@ netns_down() {
 
 # netns_train RDZV-ARGS...: one torchrun agent per host, 2 CPU processes each, gloo on ddp0
 netns_train() {
-    local pids=() rc=0 i p
+    local pids=() i
     for i in 0 1; do
         # gloo binds the interface named here; without it, it binds what the hostname resolves to
         # unshare --uts: a hostname of its own, which torchrun hands to the other host
@@ -190,8 +196,7 @@ netns_train() {
             --device cpu --max_epochs 5 --batch_size 32 --snapshot_path "host$i.pt" --metrics m.json &
         pids+=($!)
     done
-    for p in "${pids[@]}"; do wait "$p" || rc=1; done
-    [ $rc = 0 ] && check_metrics m.json "m['world_size'] == 4" "m['final_loss'] < m['first_loss']"
+    wait_all "${pids[@]}" && check_metrics m.json "m['world_size'] == 4" "m['final_loss'] < m['first_loss']"
 }
 
 extra_mode netns "ddp_gpus_torchrun.py: two hosts (network namespaces + veth, root only), --nnodes=2 --node-rank=0/1"
