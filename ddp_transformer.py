@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import socket
 import sys
 import sysconfig
@@ -195,6 +196,9 @@ def check_args(args):
             "bf16" if torch.cuda.is_bf16_supported() else "fp16")
     if args.amp == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():
         fail("this GPU does not support bf16", "use --amp fp16")
+    for path in (args.checkpoint, args.metrics):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
     if args.resume and not os.path.exists(args.checkpoint):
         fail(f"--resume but there is no checkpoint at {args.checkpoint}",
              "pass --checkpoint PATH of an earlier run, or drop --resume")
@@ -211,6 +215,16 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
 
 
 def cpu_threads(procs_on_this_machine):
@@ -231,9 +245,18 @@ def setup(args):
         # without LOCAL_WORLD_SIZE (a hand-made launch) assume every rank is on this machine
         torch.set_num_threads(cpu_threads(env_int("LOCAL_WORLD_SIZE", env_int("WORLD_SIZE", 1))))
         device = torch.device("cpu")
+    if env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and the restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        if env_int("RANK", 0) == 0:
+            print("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+                  "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr, flush=True)
     dist.init_process_group(args.backend, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1),
                             timeout=timedelta(seconds=args.timeout))
-    return device
+    # a second group, always gloo, only to find a rank that stopped responding: after a
+    # timeout the main group's connections are closed, this one can still ask who is missing
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    return device, health
 
 
 def cleanup():
@@ -244,11 +267,22 @@ def cleanup():
     run are cleared and the garbage collector frees DDP's reducer first.
     """
     error = sys.exc_info()[1]
-    if error is not None:
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
         traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def explain_timeout(error, health, timeout):
+    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+        who = "every rank answered afterwards"
+    except RuntimeError as e:
+        who = str(e).strip().splitlines()[0]
+    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
 def print0(*args, **kwargs):
@@ -365,6 +399,16 @@ class PositionalEncoding(nn.Module):
         return x + torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos interleaved
 
 
+def causal_attention(q, k, v, dropout_p=0.0):
+    """Scaled dot-product attention in which position t attends to positions <= t only."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # torch's CPU flash-attention backward is several times slower in bf16 than in
+        # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
+        with torch.autocast("cpu", enabled=False):
+            return causal_attention(q.float(), k.float(), v.float(), dropout_p).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class MultiHeadSelfAttention(nn.Module):
     def __init__(self, d_model, num_heads, dropout=0.0):
         super().__init__()
@@ -375,9 +419,8 @@ class MultiHeadSelfAttention(nn.Module):
     def forward(self, x):
         batch, length, width = x.shape
         q, k, v = self.qkv_linear(x).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        # is_causal: position t attends to positions <= t only (the seed's mask was inverted)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        # is_causal instead of a mask: the seed's mask was inverted and built on the CPU
+        out = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.out_linear(out.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -543,16 +586,27 @@ def generate(model, vocab, prompt, count, seed):
 
 
 # ---------------------------------------------------------------- checkpoint
-def read_checkpoint(path, config, vocab):
-    """Load a checkpoint (CPU, weights only) and refuse one written for another model or text."""
+def load_checkpoint(path, device):
+    """Read a checkpoint as data only: a bad file is one clear error, not a traceback per rank."""
     try:
-        # weights_only: a checkpoint is data; loading it must never run code
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not a checkpoint, or holding pickled objects
-        fail(f"cannot load checkpoint {path}: {str(e).splitlines()[0]}",
-             "pass the checkpoint of an earlier run of this script, or drop --resume")
-    if not isinstance(state, dict) or "config" not in state:
-        fail(f"{path} is not a checkpoint of ddp_transformer.py", "drop --resume or pass another --checkpoint")
+        # weights_only: tensors and plain values; a pickled object is refused before it can run
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+
+
+def read_checkpoint(path, config, vocab):
+    """A checkpoint of this script, for this model and this text; anything else is one clear error."""
+    state = load_checkpoint(path, "cpu")
+    keys = {"model", "optimizer", "scaler", "config", "vocab", "epoch", "step", "batch_in_epoch"}
+    if not isinstance(state, dict) or not keys <= set(state) or not isinstance(state["config"], dict):
+        fail(f"{path} is not a checkpoint of ddp_transformer.py", "drop --resume, or pass another --checkpoint")
     differ = sorted(k for k in config if state["config"].get(k) != config[k])
     if differ:
         fail(f"checkpoint {path} has " + ", ".join(f"{k}={state['config'].get(k)}" for k in differ)
@@ -607,14 +661,14 @@ def global_mean(loss_sum, count, device):
 class Trainer:
     """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
 
-    def __init__(self, model, data, optimizer, scaler, device, args):
+    def __init__(self, model, data, optimizer, scaler, device, args, checkpoint=None):
         self.model = model  # the unwrapped module: evaluate, sample and save this one
         self.train_set, self.val_set, self.vocab, self.config = data
         self.optimizer, self.scaler, self.device, self.args = optimizer, scaler, device, args
         self.amp = autocast(args, device)
         self.epochs_run, self.batch_in_epoch, self.step = 0, 0, 0
-        if args.resume:
-            self._load_checkpoint()
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
         # nanoGPT's order: compile the module, then wrap it, so DDP's hooks see compiled graphs.
         # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out.
         self.ddp = DDP(torch.compile(model) if args.compile else model,
@@ -628,8 +682,7 @@ class Trainer:
         self.steps, self.tokens, self.seconds, self.clock = 0, 0, 0.0, None
         self.log_sum, self.log_count = torch.zeros((), device=device), 0
 
-    def _load_checkpoint(self):
-        state = read_checkpoint(self.args.checkpoint, self.config, self.vocab)
+    def _load_checkpoint(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -717,7 +770,7 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- main
-def train(device, args, corpus):
+def train(device, args, corpus, checkpoint):
     text, name, vocab = corpus
     torch.manual_seed(args.seed)
     check_same_text(text, device)
@@ -725,7 +778,7 @@ def train(device, args, corpus):
     model = Transformer(**config).to(device)
     trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
                       make_optimizer(model, args), torch.amp.GradScaler(device.type, enabled=args.amp == "fp16"),
-                      device, args)
+                      device, args, checkpoint)
     world, fpt = dist.get_world_size(), flops_per_token(model, args.block_size)
     entropy = unigram_entropy(text) if vocab else None
     print0(f"data: {name} | {config['vocab_size']} symbols | {len(trainer.train_set)} training and "
@@ -775,15 +828,23 @@ def main():
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     args = check_args(args)
     corpus = read_corpus(args)
-    if args.resume:  # refuse a bad checkpoint before any process group exists
-        read_checkpoint(args.checkpoint, model_config(args, corpus[2]), corpus[2])
+    checkpoint = None
+    if args.resume:  # read (and refuse a bad) checkpoint before any process group exists
+        checkpoint = read_checkpoint(args.checkpoint, model_config(args, corpus[2]), corpus[2])
     if "RANK" not in os.environ:  # plain `python ddp_transformer.py`: a one-process world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    device = setup(args)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    elif env_int("RANK", 0) == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])  # a hand-made launch
+    device, health = setup(args)
     try:
-        in_sync = train(device, args, corpus)
+        in_sync = train(device, args, corpus, checkpoint)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise explain_timeout(error, health, args.timeout) from error
     finally:
         cleanup()
     if not in_sync:
