@@ -220,9 +220,9 @@ class SyntheticDigits(Dataset):
     """
 
     def __init__(self, size, seed=0, train=True):
-        patterns = torch.rand(10, 1, 7, 7, generator=torch.Generator().manual_seed(seed)) > 0.5
+        patterns = torch.rand(10, 1, 7, 7, generator=torch.Generator().manual_seed(3 * seed)) > 0.5
         patterns = patterns.float().repeat_interleave(4, dim=2).repeat_interleave(4, dim=3) * 2 - 1
-        g = torch.Generator().manual_seed(seed * 2 + 1 + int(train))
+        g = torch.Generator().manual_seed(3 * seed + 1 + int(train))  # its own stream per split
         self.targets = torch.randint(0, 10, (size,), generator=g)
         shifts = torch.randint(-3, 4, (size, 2), generator=g).tolist()
         images = torch.stack([patterns[t].roll(s, dims=(1, 2)) for t, s in zip(self.targets.tolist(), shifts)])
@@ -443,20 +443,18 @@ def load_checkpoint(model, optimizer, scaler, device, args):
     return checkpoint["epoch"]
 
 
-def fit(model, train_loader, optimizer, scaler, start_epoch, device, args):
+def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args):
     """Train epochs start_epoch+1 .. args.epochs, saving a checkpoint after each; one record per epoch."""
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     history = []
     for epoch in range(start_epoch, args.epochs):
         train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         start = time.perf_counter()
         loss_sum, samples = train_one_epoch(ddp, train_loader, optimizer, scaler, args.amp, device).tolist()
         seconds = time.perf_counter() - start
-        save_checkpoint(model, optimizer, scaler, epoch + 1, args)
+        save_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args)
         history.append({"loss": loss_sum / samples, "samples": samples, "seconds": seconds})
         print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | "
                f"{samples / seconds:.0f} samples/s | {seconds:.1f} s | checkpoint {args.checkpoint}")
-    del ddp  # release DDP's reducer before the process group goes (see cleanup)
     return history
 
 
@@ -482,6 +480,30 @@ def write_json(path, record):
     os.replace(tmp, path)
 
 
+def report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+    samples = sum(h["samples"] for h in history)
+    losses = [h["loss"] for h in history]
+    steps_per_epoch = len(train_loader)
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
+        "dataset": args.dataset, "train_samples": len(train_loader.dataset), "epochs": start_epoch + len(history), "steps": len(history) * steps_per_epoch,
+        "steps_per_epoch": steps_per_epoch, "batch_size": args.batch_size, "elapsed_s": elapsed,
+        "samples_per_s": samples / elapsed if samples else None,
+        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        "losses": losses, "replicas_in_sync": in_sync, "resumed_from_epoch": start_epoch,
+        "amp": args.amp, "sync_bn": device.type == "cuda", **result,
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    trained = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s"
+               if losses else "not trained")
+    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) "
+           f"| torch {torch.__version__} | {args.dataset} | epoch {summary['epochs']} | {trained} | "
+           f"test accuracy {100 * result['test_accuracy']:.2f}% | replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
 # ---------------------------------------------------------------- main
 def train(device, args):
     torch.manual_seed(args.seed)
@@ -497,34 +519,17 @@ def train(device, args):
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch")
 
+    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive
+    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     start = time.perf_counter()
-    history = [] if args.evaluate else fit(model, train_loader, optimizer, scaler, start_epoch, device, args)
+    history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(model, device)
     sync_buffers(model)
     result = evaluate(model, test_loader, args.amp, device)
     print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
            f"accuracy {100 * result['test_accuracy']:.2f}%")
-    samples = sum(h["samples"] for h in history)
-    losses = [h["loss"] for h in history] or [None]
-    summary = {
-        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
-        "dataset": args.dataset, "train_samples": len(train_loader.dataset),
-        "epochs": start_epoch + len(history), "steps": len(history) * len(train_loader),
-        "steps_per_epoch": len(train_loader), "batch_size": args.batch_size, "elapsed_s": elapsed,
-        "samples_per_s": samples / elapsed if samples else None,
-        "first_loss": losses[0], "final_loss": losses[-1], "losses": [h["loss"] for h in history],
-        "replicas_in_sync": in_sync, "resumed_from_epoch": start_epoch,
-        "amp": args.amp, "sync_bn": device.type == "cuda", **result,
-    }
-    if dist.get_rank() == 0 and args.metrics:
-        write_json(args.metrics, summary)
-    trained = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s"
-               if samples else "not trained")
-    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) "
-           f"| torch {torch.__version__} | {args.dataset} | epoch {summary['epochs']} | {trained} | "
-           f"test accuracy {100 * result['test_accuracy']:.2f}% | replicas {'in sync' if in_sync else 'DIFFER'}")
+    report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args)
     return in_sync
 
 
