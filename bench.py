@@ -86,8 +86,9 @@ EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.*?\| ([\d.]+) samples/s \|", re.MU
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # each help states its default
     p.add_argument("--quick", action="store_true",
-                   help="one run of each setting on tiny workloads, thread rows for the MLP only: "
-                        "checks that everything runs (tests), measures nothing")
+                   help="one run of each setting on tiny workloads; only the MLP gets every setting, "
+                        "the other scripts run once at the largest N: checks that everything runs "
+                        "(tests), measures nothing")
     p.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="runs per setting; the figure is their median (default: 3, 1 with --quick)")
     p.add_argument("--only", default=",".join([*BENCHMARKS, "dp_vs_ddp"]), metavar="NAMES",
@@ -253,9 +254,10 @@ def plan(args):
     """The settings to measure, in the order of the table."""
     settings = []
     for name in (b for b in BENCHMARKS if b in args.only):
-        spec = BENCHMARKS[name]
-        settings += [Setting("scaling", name, spec, n, None) for n in process_counts(args.max_nprocs)]
-        if args.threads and args.device == "cpu" and (name == "mlp" or not args.quick):
+        spec, full = BENCHMARKS[name], name == "mlp" or not args.quick  # --quick: the MLP covers the rest
+        counts = process_counts(args.max_nprocs) if full else [args.max_nprocs]
+        settings += [Setting("scaling", name, spec, n, None) for n in counts]
+        if args.threads and args.device == "cpu" and full:
             for n in sorted({1, args.max_nprocs}):
                 auto = max(1, cores() // n)
                 settings += [Setting("threads", name, spec, n, t) for t in sorted({1, cores()} - {auto})]
