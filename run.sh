@@ -221,11 +221,18 @@ usage() {
     echo "modes:"
     for m in "${MODES[@]}"; do printf '  %-16s %s\n' "$m" "${DESC[$m]}"; done
     echo "run only when named:"
+    printf '  %-16s %s\n' bench "the benchmark: scaling efficiency, DP against DDP, thread policy (bench --help)"
     for m in "${EXTRA[@]}"; do printf '  %-16s %s\n' "$m" "${DESC[$m]}"; done
 }
 
 main() {
     local selected=() results=() failed=0 m start rc
+    if [ "${1:-}" = bench ]; then
+        # the benchmark: its own table, bench_results.json in the current directory
+        shift
+        "$PY" "$HERE/bench.py" "$@"
+        return
+    fi
     for m in "$@"; do
         case "$m" in
             -h|--help|help) usage; return 0 ;;
