@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=None, metavar="N",
                    help="epochs to train (default: 1 on text, the seed's 200 on toy)")
     p.add_argument("--max_steps", "--steps", type=int, default=0, metavar="N",
-                   help="stop after N optimizer steps in all (0: run every epoch)")
+                   help="stop at optimizer step N, counted from the first run (0: run every epoch)")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=None, metavar="N",
                    help="windows per micro-batch, per process (default: 8 on text, 2 on toy); "
                         "one optimizer step sees N x grad_accum x world size windows")

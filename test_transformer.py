@@ -37,17 +37,18 @@ def error_lines(stderr):
 
 
 # ---------------------------------------------------------------- causality
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no GPU"))])
-def test_changing_token_t_changes_no_logit_before_t(device):
+@pytest.mark.parametrize("device,amp", [("cpu", None), ("cpu", torch.bfloat16), *[
+    pytest.param("cuda", dtype, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))
+    for dtype in (None, torch.bfloat16)]])
+def test_changing_token_t_changes_no_logit_before_t(device, amp):
     torch.manual_seed(0)
     model = Transformer(50, 32, 4, 64, 3, 64).to(device).eval()
     x = torch.randint(0, 50, (3, 40), device=device)
     for t in (0, 17, 39):
         changed = x.clone()
         changed[:, t] = (x[:, t] + 1) % 50
-        with torch.no_grad():
-            before, after = model(x), model(changed)
+        with torch.no_grad(), torch.autocast(device, dtype=amp, enabled=amp is not None):
+            before, after = model(x).float(), model(changed).float()
         assert before.shape == (3, 40, 50)
         assert torch.allclose(before[:, :t], after[:, :t], atol=1e-6, rtol=0), f"logits before {t} moved"
         assert (before[:, t:] - after[:, t:]).abs().max() > 1e-3, f"token {t} changed nothing at or after {t}"
