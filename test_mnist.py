@@ -62,7 +62,7 @@ def synthetic_test_set(n, seed=0):
 def test_train_checkpoint_resume(launch, script, metrics, tmp_path):
     """Default dataset (auto) without MNIST or network: loud synthetic fallback that learns;
     a checkpoint that loads with weights_only and reproduces the test accuracy; --resume continues."""
-    common = ["--device", "cpu", "--nprocs", "2", "--train_samples", "2000",
+    common = ["--device", "cpu", "--nprocs", "2", "--amp", "off", "--train_samples", "2000",
               "--test_samples", str(TEST_SAMPLES), "--data", str(tmp_path / "data")]
     first = launch([sys.executable, script("ddp_main.py"), *common, "-e", "1", "--gpu", "0,1",
                     "--metrics", "m1.json"], timeout=TIMEOUT, env=offline_env())
@@ -117,7 +117,7 @@ def test_exact_evaluation(world_size, launch, script, metrics, torchrun, tmp_pat
     """Every test sample is counted once, whatever the world size, and the result equals
     the saved checkpoint evaluated in one process. Also: all three ways to launch the torchrun script."""
     args = [script("ddp_main_torchrun.py"), "--device", "cpu", "--dataset", "synthetic", "--train_samples", "128",
-            "-e", "1", "--test_samples", str(TEST_SAMPLES), "--metrics", "m.json"]
+            "--amp", "off", "-e", "1", "--test_samples", str(TEST_SAMPLES), "--metrics", "m.json"]
     if world_size == 1:  # plain python: a one-process world
         result = launch([sys.executable, *args], timeout=TIMEOUT)
     elif world_size == 2:
