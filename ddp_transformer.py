@@ -92,7 +92,7 @@ def parse_args(argv=None):
                    help="UTF-8 text file to model (default: the first "
                         f"{DEFAULT_CORPUS_CHARS} characters of {len(STDLIB_MODULES)} fixed "
                         "Python standard library modules); the last "
-                        f"{VAL_FRACTION:.0%} is the validation split")
+                        f"{VAL_FRACTION * 100:.0f}%% is the validation split")
     p.add_argument("--block_size", type=int, default=None, metavar="T",
                    help="characters per training window (context length; default 128, "
                         "9 on toy)")

@@ -190,6 +190,12 @@ def test_checkpoint_round_trip_and_resume(launch, script, torchrun, metrics, tmp
 
 
 # ---------------------------------------------------------------- errors
+def test_help_lists_the_flags(launch, script):
+    out = launch([sys.executable, script(SCRIPT), "--help"], timeout=120)
+    for flag in ("--grad_accum", "--amp", "--data", "--resume", "--eval_every", "--sample", "per process"):
+        assert flag in out.stdout, flag
+
+
 def test_too_short_corpus_is_one_clear_error(launch, script, torchrun, tmp_path):
     (tmp_path / "short.txt").write_text("print('hello')\n" * 3)
     plain = launch([sys.executable, script(SCRIPT), "--device", "cpu", "--data", "short.txt"], timeout=120, check=False)
