@@ -1,7 +1,8 @@
 """An MNIST ConvNet trained with DDP, one process per GPU, launched with `mp.spawn`.
 
 Scenario: the seed's `ConvNet` (two conv blocks with BatchNorm, then a linear layer)
-learns MNIST with mixed precision (`torch.amp`), SyncBatchNorm on GPUs, a
+learns MNIST with mixed precision (`torch.amp`; by default bf16 on GPUs and CPUs that
+have it, fp16 with a GradScaler on older GPUs), SyncBatchNorm on GPUs, a
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
 (the others wait) and writes a checkpoint each epoch that `--resume` continues from
@@ -315,8 +316,8 @@ def make_loaders(train_set, test_set, device, args):
     # worker seeds derive from this generator: one per rank, or rank r's worker k would
     # draw the same random numbers (augmentations) as worker k of every other rank
     generator = torch.Generator().manual_seed(args.seed + rank)
-    common = dict(batch_size=args.batch_size, num_workers=args.workers,
-                  pin_memory=device.type == "cuda", persistent_workers=args.workers > 0)
+    common = {"batch_size": args.batch_size, "num_workers": args.workers,
+              "pin_memory": device.type == "cuda", "persistent_workers": args.workers > 0}
     train_loader = DataLoader(train_set, sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed),
                               generator=generator, **common)
     test_loader = DataLoader(test_set, sampler=ShardSampler(len(test_set), rank, world_size), **common)
@@ -489,7 +490,8 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, device,
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
         "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
-        "dataset": args.dataset, "train_samples": len(train_loader.dataset), "epochs": start_epoch + len(history), "steps": len(history) * steps_per_epoch,
+        "dataset": args.dataset, "train_samples": len(train_loader.dataset),
+        "epochs": start_epoch + len(history), "steps": len(history) * steps_per_epoch,
         "steps_per_epoch": steps_per_epoch, "batch_size": args.batch_size, "elapsed_s": elapsed,
         "samples_per_s": samples / elapsed if samples else None,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
