@@ -78,6 +78,8 @@ def fail(what, fix):
     """Bad input: one line on stderr (from global rank 0) and exit code 2, never a traceback."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)  # torchrun stops every rank when one exits: let rank 0 say why first
     sys.exit(2)
 
 

@@ -145,6 +145,26 @@ run_restart() {
     wait "$agent" && check_metrics m.json "m['restarts'] >= 1" "m['resumed_from_epoch'] >= 1" "m['epochs'] == 4"
 }
 
+mode transformer "ddp_transformer.py: torchrun --standalone --nproc-per-node=$N, character LM on the stdlib"
+run_transformer() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --sample 100 --metrics m.json \
+        && check_metrics m.json "m['val_loss'] < m['first_val_loss'] - 1" "m['val_loss'] < m['unigram_entropy']"
+}
+
+mode transformer-accum "ddp_transformer.py: --grad_accum 4 (no_sync on 3 of 4 micro-batches), then --resume one more epoch"
+run_transformer-accum() {
+    local cmd=("${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --grad_accum 4
+               --batch_size 4 --sample 0 --metrics m.json)
+    "${cmd[@]}" --epochs 1 && "${cmd[@]}" --epochs 2 --resume \
+        && check_metrics m.json "m['resumed_from_epoch'] == 1" "m['epochs'] == 2" "m['val_loss'] < m['unigram_entropy']"
+}
+
+mode transformer-toy "ddp_transformer.py --dataset toy: the seed's experiment (12 constant rows, SGD 0.01), loss falls"
+run_transformer-toy() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --dataset toy --metrics m.json \
+        && check_metrics m.json
+}
+
 # ---------------------------------------------------------------- modes beyond one machine (root)
 # two "hosts" on one machine: network namespaces joined by a veth pair (root only)
 NETNS=(ddprun$$h0 ddprun$$h1)
