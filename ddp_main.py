@@ -287,7 +287,8 @@ def choose_dataset(args, device):
         if dist.get_rank() == 0:
             fail(f"MNIST is not in {args.data}/MNIST/raw and could not be downloaded",
                  "use --dataset synthetic for the offline stand-in, or copy MNIST there")
-        sys.exit(2)  # the other ranks end quietly: rank 0 has said why
+        time.sleep(3)  # the launcher stops every rank when one exits: let rank 0 say why first
+        sys.exit(2)
     return "synthetic"
 
 

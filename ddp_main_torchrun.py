@@ -99,6 +99,8 @@ def fail(what, fix):
     """Bad input: one line on stderr (from global rank 0) and exit code 2, never a traceback."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+    else:
+        time.sleep(3)  # torchrun stops every rank when one exits: let rank 0 say why first
     sys.exit(2)
 
 
@@ -296,7 +298,8 @@ def choose_dataset(args, device):
         if dist.get_rank() == 0:
             fail(f"MNIST is not in {args.data}/MNIST/raw and could not be downloaded",
                  "use --dataset synthetic for the offline stand-in, or copy MNIST there")
-        sys.exit(2)  # the other ranks end quietly: rank 0 has said why
+        time.sleep(3)  # the launcher stops every rank when one exits: let rank 0 say why first
+        sys.exit(2)
     return "synthetic"
 
 
