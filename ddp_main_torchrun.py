@@ -39,6 +39,7 @@ import argparse
 import gc
 import json
 import os
+import pickle
 import re
 import socket
 import sys
@@ -139,6 +140,11 @@ def check_args(args):
     if (args.resume or args.evaluate) and not os.path.isfile(args.checkpoint):
         fail(f"no checkpoint at {args.checkpoint} to {'evaluate' if args.evaluate else 'resume'}",
              "train first, or point --checkpoint at one")
+    if args.resume or args.evaluate:
+        read_checkpoint(args.checkpoint)
+    for path in (args.checkpoint, args.metrics):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
     select_gpus(args)
     gpus = torch.cuda.device_count()
     if args.device == "auto":
@@ -174,6 +180,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
 def cpu_threads(procs_on_this_machine):
     """Split the cores between the processes: oversubscribed cores halve throughput."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -194,7 +210,10 @@ def setup(args):
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1),
                             timeout=timedelta(seconds=args.timeout))
-    return device
+    # a second group, always gloo, only to find a rank that stopped responding: after a
+    # timeout the main group's connections are closed, this one can still ask who is missing
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    return device, health
 
 
 def cleanup():
@@ -205,11 +224,22 @@ def cleanup():
     run are cleared and the garbage collector frees DDP's reducer first.
     """
     error = sys.exc_info()[1]
-    if error is not None:
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
         traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def explain_timeout(error, health, timeout):
+    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+        who = "every rank answered afterwards"
+    except RuntimeError as e:
+        who = str(e).strip().splitlines()[0]
+    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
 def print0(*args, **kwargs):
@@ -431,22 +461,67 @@ def sync_buffers(model):
         dist.broadcast(buffer, src=0)
 
 
-def save_checkpoint(model, optimizer, scaler, epoch, args):
-    """Rank 0 writes atomically; every rank waits until the file is complete."""
+def save_checkpoint(state, path):
+    """Write to a temporary file, then rename: a crash mid-write leaves the previous file intact."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic on POSIX
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_checkpoint(path, device):
+    """Read a checkpoint as data only: a bad file is one clear error, not a traceback per rank."""
+    try:
+        # weights_only: tensors and plain values; a pickled object is refused before it can run
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+
+
+def check_compatible(state, model, path):
+    """A checkpoint of another model or configuration: say what differs, in one line."""
+    mine = model.state_dict()
+    if not isinstance(state, dict) or set(state) != set(mine):
+        theirs = set(state) if isinstance(state, dict) else set()
+        fail(f"{path} is for another model (missing {sorted(set(mine) - theirs)[:3]}, "
+             f"unexpected {sorted(theirs - set(mine))[:3]})", "delete it, or use the configuration that wrote it")
+    for name, tensor in mine.items():
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            fail(f"{path} is for another configuration: {name} is {tuple(state[name].shape)} there, "
+                 f"{tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+
+
+def read_checkpoint(path):
+    """Read and check a checkpoint before any process starts: a bad one is one error line."""
+    checkpoint = load_checkpoint(path, "cpu")
+    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scaler", "epoch", "args"} <= set(checkpoint):
+        fail(f"{path} is not a checkpoint of this script", "point --checkpoint at one it wrote")
+    check_compatible(checkpoint["model"], ConvNet(), path)
+    return checkpoint
+
+
+def write_checkpoint(model, optimizer, scaler, epoch, args):
+    """Rank 0 writes; every rank waits until the file is complete."""
     if dist.get_rank() == 0:
-        checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "scaler": scaler.state_dict(), "epoch": epoch,
-                      "args": dict(vars(args))}  # plain values only, so weights_only loading works
-        tmp = f"{args.checkpoint}.tmp{os.getpid()}"
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, args.checkpoint)  # atomic: a crash mid-write keeps the old checkpoint
+        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict(), "epoch": epoch,
+                         "args": dict(vars(args))},  # plain values only, so weights_only loading works
+                        args.checkpoint)
     dist.barrier()
 
 
-def load_checkpoint(model, optimizer, scaler, device, args):
+def restore_checkpoint(model, optimizer, scaler, device, args):
     """Restore model, optimizer and grad scaler; returns the epochs already trained."""
-    # weights_only: a checkpoint is data; loading it must never run code
-    checkpoint = torch.load(args.checkpoint, map_location=device, weights_only=True)
+    checkpoint = load_checkpoint(args.checkpoint, device)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}: a switch to fp16 starts afresh
@@ -465,7 +540,7 @@ def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args):
         start = time.perf_counter()
         loss_sum, samples = train_one_epoch(ddp, train_loader, optimizer, scaler, args.amp, device).tolist()
         seconds = time.perf_counter() - start
-        save_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args)
+        write_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args)
         history.append({"loss": loss_sum / samples, "samples": samples, "seconds": seconds})
         print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | "
                f"{samples / seconds:.0f} samples/s | {seconds:.1f} s | checkpoint {args.checkpoint}")
@@ -530,7 +605,7 @@ def train(device, args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    start_epoch = load_checkpoint(model, optimizer, scaler, device, args) if args.resume or args.evaluate else 0
+    start_epoch = restore_checkpoint(model, optimizer, scaler, device, args) if args.resume or args.evaluate else 0
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch")
 
@@ -553,14 +628,23 @@ def main():
     args = parse_args()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and os.path.isfile(args.checkpoint):
+        args.resume = True  # restarted by torchrun (--max-restarts) after a failure: continue, do not start over
     args = check_args(args)
     if "RANK" not in os.environ:  # plain `python ddp_main_torchrun.py`: a one-process world
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    device = setup(args)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    elif env_int("RANK", 0) == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])  # a hand-made launch
+    device, health = setup(args)
     try:
         in_sync = train(device, args)
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise explain_timeout(error, health, args.timeout) from error
     finally:
         cleanup()
     if not in_sync:

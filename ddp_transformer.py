@@ -826,6 +826,8 @@ def main():
     args = parse_args()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and os.path.isfile(args.checkpoint):
+        args.resume = True  # restarted by torchrun (--max-restarts) after a failure: continue, do not start over
     args = check_args(args)
     corpus = read_corpus(args)
     checkpoint = None

@@ -21,6 +21,7 @@ from torch.utils.data import DistributedSampler
 from conftest import ROOT, cpu_env, read_metrics, run_bounded
 
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart",
+                "main", "main-torchrun", "main-manual", "main-resume",
                 "transformer", "transformer-accum", "transformer-toy"]
 RUN_SH_EXTRA = ["bench", "netns", "netns-elastic"]  # bench: test_dp_bench.py
 
