@@ -131,6 +131,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
 def cpu_threads(procs_on_this_machine):
     """Split the cores between the processes: oversubscribed cores halve throughput."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -149,7 +159,10 @@ def setup(rank, world_size, local_rank, args):
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
-    return device
+    # a second group, always gloo, only to find a rank that stopped responding: after a
+    # timeout the main group's connections are closed, this one can still ask who is missing
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    return device, health
 
 
 def cleanup():
@@ -160,11 +173,22 @@ def cleanup():
     run are cleared and the garbage collector frees DDP's reducer first.
     """
     error = sys.exc_info()[1]
-    if error is not None:
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
         traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def explain_timeout(error, health, timeout):
+    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+        who = "every rank answered afterwards"
+    except RuntimeError as e:
+        who = str(e).strip().splitlines()[0]
+    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
 def print0(*args, **kwargs):
@@ -390,11 +414,15 @@ def train_ddp(device, args):
 
 def main(rank, args, result_path):
     """One process of the job; `mp.spawn` passes the rank first."""
-    device = setup(rank, args.nprocs, rank, args)
+    device, health = setup(rank, args.nprocs, rank, args)
     try:
         record = train_ddp(device, args)
         if rank == 0:
             write_json(result_path, record)  # hands the record to the parent process
+    except RuntimeError as error:
+        if "timed out" not in str(error).lower():
+            raise
+        raise explain_timeout(error, health, args.timeout) from error
     finally:
         cleanup()
     if not record["replicas_in_sync"]:
@@ -404,16 +432,23 @@ def main(rank, args, result_path):
 def run_ddp(args):
     """Start args.nprocs DDP processes; returns rank 0's record."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if "MASTER_PORT" in os.environ:
+        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    else:
+        os.environ["MASTER_PORT"] = str(free_port())
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "ddp.json")
         try:
-            mp.spawn(main, args=(args, result_path), nprocs=args.nprocs, join=True)
+            context = mp.spawn(main, args=(args, result_path), nprocs=args.nprocs, join=False)
+            while not context.join(grace_period=3):  # after a failure, a frozen rank is killed in seconds
+                pass
         except mp.ProcessRaisedException as e:
             # the failing rank's traceback, printed once; spawn has already ended the others
             print(f"error: a process failed\n{e}", file=sys.stderr, flush=True)
             sys.exit(1)
         except mp.ProcessExitedException as e:
+            if e.exit_code == 2:
+                sys.exit(2)  # bad input: that process printed its one error line
             print(f"error: process {e.error_index} exited with code {e.exit_code}", file=sys.stderr, flush=True)
             sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
         with open(result_path) as f:
