@@ -18,9 +18,10 @@ if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=
 # ---------------------------------------------------------------- machine
 NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
 if [ "$NGPU" -gt 0 ]; then
-    N="$NGPU"; DEVICE=cuda
+    N="$NGPU"; DEVICE=cuda; SMALL=(); TEST_SAMPLES="(10000 if m['dataset'] == 'mnist' else 1000)"
 else
-    N=2; DEVICE=cpu
+    # on CPU the MNIST modes train on part of the (synthetic) data: the launch is the lesson
+    N=2; DEVICE=cpu; SMALL=(--train_samples 1500 --test_samples 500); TEST_SAMPLES=500
 fi
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/ddp-run.XXXXXX")"
@@ -147,15 +148,15 @@ run_restart() {
 
 mode main "ddp_main.py: the seed's MNIST ConvNet with mp.spawn, --gpu 0,1 -e 3 -b 32 (synthetic stand-in without MNIST)"
 run_main() {
-    "$PY" "$HERE/ddp_main.py" --gpu 0,1 -e 3 -b 32 --metrics m.json \
+    "$PY" "$HERE/ddp_main.py" --gpu 0,1 -e 3 -b 32 "${SMALL[@]}" --metrics m.json \
         && check_metrics m.json "m['test_accuracy'] > 0.9" "m['final_loss'] < m['first_loss']" \
-            "m['test_samples'] == (10000 if m['dataset'] == 'mnist' else 1000)"
+            "m['test_samples'] == $TEST_SAMPLES"
 }
 
 mode main-torchrun "ddp_main_torchrun.py: torchrun --standalone --nproc_per_node=$N --gpu 0,..,$((N - 1))"
 run_main-torchrun() {
     "${TORCHRUN[@]}" --standalone --nproc_per_node="$N" "$HERE/ddp_main_torchrun.py" \
-        --gpu "$(seq -s, 0 $((N - 1)))" --metrics m.json \
+        --gpu "$(seq -s, 0 $((N - 1)))" "${SMALL[@]}" --metrics m.json \
         && check_metrics m.json "m['world_size'] == $N" "m['test_accuracy'] > 0.9" "m['final_loss'] < m['first_loss']"
 }
 
@@ -167,7 +168,7 @@ run_main-manual() {
     if [ "$DEVICE" = cuda ] && [ "$N" -lt 2 ]; then dev=(--device cpu); fi  # one GPU cannot host two ranks
     for r in 0 1; do
         RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-            "$PY" "$HERE/ddp_main_torchrun.py" --metrics m.json "${dev[@]}" &
+            "$PY" "$HERE/ddp_main_torchrun.py" "${SMALL[@]}" --metrics m.json "${dev[@]}" &
         pids+=($!)
     done
     wait_all "${pids[@]}" && check_metrics m.json "m['world_size'] == 2" "m['test_accuracy'] > 0.9"
@@ -176,10 +177,10 @@ run_main-manual() {
 mode main-resume "ddp_main.py: 2 epochs, --resume to 3, then --evaluate the checkpoint in one process"
 run_main-resume() {
     # one process evaluates in other batches than two, so under autocast a near-tie may flip: 0.5% slack
-    "$PY" "$HERE/ddp_main.py" -e 2 --metrics m2.json \
-        && "$PY" "$HERE/ddp_main.py" -e 3 --resume --metrics m.json \
+    "$PY" "$HERE/ddp_main.py" -e 2 "${SMALL[@]}" --metrics m2.json \
+        && "$PY" "$HERE/ddp_main.py" -e 3 --resume "${SMALL[@]}" --metrics m.json \
         && check_metrics m.json "m['resumed_from_epoch'] == 2" "m['epochs'] == 3" "m['test_accuracy'] > 0.9" \
-        && "$PY" "$HERE/ddp_main_torchrun.py" --evaluate --metrics m1.json \
+        && "$PY" "$HERE/ddp_main_torchrun.py" --evaluate "${SMALL[@]}" --metrics m1.json \
         && check_metrics m1.json "m['world_size'] == 1" "m['steps'] == 0" "m['epochs'] == 3" \
             "abs(m['test_accuracy'] - $("$PY" -c 'import json; print(json.load(open("m.json"))["test_accuracy"])')) < 0.005"
 }
@@ -193,7 +194,7 @@ run_transformer() {
 mode transformer-accum "ddp_transformer.py: --grad_accum 4 (no_sync on 3 of 4 micro-batches), then --resume one more epoch"
 run_transformer-accum() {
     local cmd=("${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --grad_accum 4
-               --batch_size 4 --sample 0 --metrics m.json)
+               --batch_size 4 --d_model 64 --num_layers 2 --sample 0 --metrics m.json)
     "${cmd[@]}" --epochs 1 && "${cmd[@]}" --epochs 2 --resume \
         && check_metrics m.json "m['resumed_from_epoch'] == 1" "m['epochs'] == 2" "m['val_loss'] < m['unigram_entropy']"
 }

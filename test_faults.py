@@ -125,15 +125,21 @@ def free_port():
 # per script: arguments that make an epoch last long enough to kill a worker inside a later one,
 # where its snapshot/checkpoint goes, and how to read the final weights from it
 KILL_CASES = {
-    "ddp_gpus_torchrun.py": (["--max_epochs", "3", "--samples", "65536", "-b", "8"], "--snapshot_path", "model"),
+    "ddp_gpus_torchrun.py": (["--max_epochs", "3", "--samples", "32768", "-b", "8"], "--snapshot_path", "model"),
+    "ddp_main_torchrun.py": (["-e", "3", "--dataset", "synthetic", "--train_samples", "12000", "--test_samples", "200",
+                              "--amp", "off"], "--checkpoint", "model"),
+    "ddp_transformer.py": (["--epochs", "3", "--sample", "0", "--log_every", "0", "--amp", "off"], "--checkpoint",
+                           "model"),
 }
+SLOW_KILL = {"ddp_main_torchrun.py", "ddp_transformer.py"}  # the linear model's case runs in CI
 
 
 def _weights(path, key):
     return torch.load(path, map_location="cpu", weights_only=True)[key]
 
 
-@pytest.mark.parametrize("name", sorted(KILL_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_KILL else n
+                                  for n in sorted(KILL_CASES)])
 def test_killed_worker_restarts_and_matches_uninterrupted(name, jobs, tmp_path):
     args, ckpt_flag, key = KILL_CASES[name]
     base = [*TORCHRUN, "--standalone", "--nproc-per-node=2"]
@@ -175,18 +181,27 @@ def test_killed_worker_without_restarts_ends_the_job(jobs, tmp_path):
 
 
 # ---------------------------------------------------------------- 2. a rank that stops responding
-FREEZE_CASES = {
-    "spawn ddp_gpus.py": [sys.executable, ROOT / "ddp_gpus.py", "--nprocs", "2"],
-    "torchrun ddp_gpus_torchrun.py": [*TORCHRUN, "--standalone", "--nproc-per-node=2", ROOT / "ddp_gpus_torchrun.py"],
+TORCHRUN_2 = [*TORCHRUN, "--standalone", "--nproc-per-node=2"]
+FREEZE_CASES = {  # command, and a line that shows training has started
+    "spawn ddp_gpus.py": ([sys.executable, ROOT / "ddp_gpus.py", "--nprocs", "2", "--max_epochs", "50",
+                           "--samples", "65536", "-b", "8"], "Epoch: 0"),
+    "torchrun ddp_gpus_torchrun.py": ([*TORCHRUN_2, ROOT / "ddp_gpus_torchrun.py", "--max_epochs", "50",
+                                       "--samples", "65536", "-b", "8"], "Epoch: 0"),
+    "spawn ddp_main.py": ([sys.executable, ROOT / "ddp_main.py", "--nprocs", "2", "-e", "50", "--dataset",
+                           "synthetic"], "steps per epoch"),
+    "torchrun ddp_transformer.py": ([*TORCHRUN_2, ROOT / "ddp_transformer.py", "--epochs", "50", "--log_every", "1"],
+                                    "step 2"),
 }
+SLOW_FREEZE = {"spawn ddp_main.py", "torchrun ddp_gpus_torchrun.py", "torchrun ddp_transformer.py"}
 
 
-@pytest.mark.parametrize("case", sorted(FREEZE_CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_FREEZE else c
+                                  for c in sorted(FREEZE_CASES)])
 def test_frozen_rank_is_named_and_the_job_ends(case, jobs, tmp_path):
     timeout = 5
-    job = jobs([*FREEZE_CASES[case], "--device", "cpu", "--timeout", timeout, "--max_epochs", "50",
-                "--samples", "65536", "-b", "8"], tmp_path)
-    wait_until(lambda: "Epoch: 0" in job.stdout, 120, "training to start")
+    cmd, started = FREEZE_CASES[case]
+    job = jobs([*cmd, "--device", "cpu", "--timeout", timeout], tmp_path)
+    wait_until(lambda: started in job.stdout, 120, "training to start")
     workers = job.workers()
     assert len(workers) == 2, workers
     frozen_rank = 1
@@ -308,8 +323,14 @@ def test_two_spawn_jobs_at_once_both_succeed(jobs, tmp_path):
 SOAK = {
     "ddp_minimal.py": [sys.executable, ROOT / "ddp_minimal.py", "--device", "cpu"],
     "ddp_gpus.py": [sys.executable, ROOT / "ddp_gpus.py", "--device", "cpu", "-e", "1"],
-    "ddp_gpus_torchrun.py": [*TORCHRUN, "--standalone", "--nproc-per-node=2", ROOT / "ddp_gpus_torchrun.py",
-                             "--device", "cpu", "-e", "1"],
+    "ddp_gpus_torchrun.py": [*TORCHRUN_2, ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "-e", "1"],
+    "ddp_main.py": [sys.executable, ROOT / "ddp_main.py", "--device", "cpu", "-e", "1", "--dataset", "synthetic",
+                    "--train_samples", "512", "--test_samples", "100"],
+    "ddp_main_torchrun.py": [*TORCHRUN_2, ROOT / "ddp_main_torchrun.py", "--device", "cpu", "-e", "1",
+                             "--dataset", "synthetic", "--train_samples", "512", "--test_samples", "100"],
+    "ddp_transformer.py": [*TORCHRUN_2, ROOT / "ddp_transformer.py", "--device", "cpu", "--max_steps", "3",
+                           "--sample", "0"],
+    "dp_baseline.py": [sys.executable, ROOT / "dp_baseline.py", "--device", "cpu", "--ddp", "-e", "1"],
 }
 
 
