@@ -572,6 +572,7 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, device,
         "samples_per_s": samples / elapsed if samples else None,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "losses": losses, "replicas_in_sync": in_sync, "resumed_from_epoch": start_epoch,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "amp": args.amp, "sync_bn": device.type == "cuda", **result,
     }
     if dist.get_rank() == 0 and args.metrics:

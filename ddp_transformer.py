@@ -811,6 +811,7 @@ def train(device, args, corpus, checkpoint):
         "losses": history, "first_val_loss": first_val, "val_loss": val, "unigram_entropy": entropy,
         "params": sum(p.numel() for p in model.parameters()), "replicas_in_sync": in_sync,
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
+        "restarts": env_int("TORCHELASTIC_RESTART_COUNT", 0),
     }
     del trainer  # DDP's reducer goes before the process group does
     if dist.get_rank() == 0 and args.metrics:
