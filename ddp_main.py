@@ -397,13 +397,18 @@ def autocast(device, amp):
 
 
 # ---------------------------------------------------------------- train / evaluate
+def on_device(loader, device):
+    """The loader's batches on `device`; from pinned memory the copy does not block the host."""
+    for images, labels in loader:
+        yield (images.to(device, non_blocking=device.type == "cuda"),
+               labels.to(device, non_blocking=device.type == "cuda"))
+
+
 def train_one_epoch(model, loader, optimizer, scaler, amp, device):
     """One pass over this rank's shard; returns the global [sum of losses, samples]."""
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for images, labels in loader:
-        images = images.to(device, non_blocking=device.type == "cuda")
-        labels = labels.to(device, non_blocking=device.type == "cuda")
+    for images, labels in on_device(loader, device):
         with autocast(device, amp):
             loss = F.cross_entropy(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
@@ -426,9 +431,7 @@ def evaluate(model, loader, amp, device):
     """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for images, labels in loader:
-        images = images.to(device, non_blocking=device.type == "cuda")
-        labels = labels.to(device, non_blocking=device.type == "cuda")
+    for images, labels in on_device(loader, device):
         with autocast(device, amp):
             outputs = model(images)
         totals[0] += F.cross_entropy(outputs.float(), labels, reduction="sum").double()
