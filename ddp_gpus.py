@@ -63,9 +63,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def say(line, file=None):
+    """Print one line in one write: lines from concurrent ranks never run into each other.
+    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
+    in containers and batch jobs, each is its own write to the shared stdout.)"""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
 def fail(what, fix):
     """Bad input: one line on stderr and exit code 2, never a traceback."""
-    print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+    say(f"error: {what} ({fix})", sys.stderr)
     sys.exit(2)
 
 
@@ -168,10 +177,10 @@ def explain_timeout(error, health, timeout):
     return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
-def print0(*args, **kwargs):
+def print0(line):
     """Print on global rank 0 only."""
     if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        say(line)
 
 
 # ---------------------------------------------------------------- data
@@ -216,8 +225,7 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         loader = self.train_dataloader
-        print(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}",
-              flush=True)
+        say(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}")
         loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # [sum of per-sample losses, samples] on the device: no host sync per step
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -326,12 +334,12 @@ def run():
             pass
     except mp.ProcessRaisedException as e:
         # the failing rank's traceback, printed once; spawn has already ended the others
-        print(f"error: a process failed\n{e}", file=sys.stderr, flush=True)
+        say(f"error: a process failed\n{e}", sys.stderr)
         sys.exit(1)
     except mp.ProcessExitedException as e:
         if e.exit_code == 2:
             sys.exit(2)  # bad input: that process printed its one error line
-        print(f"error: process {e.error_index} exited with code {e.exit_code}", file=sys.stderr, flush=True)
+        say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 
 

@@ -74,10 +74,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def say(line, file=None):
+    """Print one line in one write: lines from concurrent ranks never run into each other.
+    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
+    in containers and batch jobs, each is its own write to the shared stdout.)"""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
 def fail(what, fix):
     """Bad input: one line on stderr (from global rank 0) and exit code 2, never a traceback."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+        say(f"error: {what} ({fix})", sys.stderr)
     else:
         time.sleep(3)  # torchrun stops every rank when one exits: let rank 0 say why first
     sys.exit(2)
@@ -155,8 +164,8 @@ def setup(args):
         # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and the restarted
         # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
         if env_int("RANK", 0) == 0:
-            print("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
-                  "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr, flush=True)
+            say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+                "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
     dist.init_process_group(args.backend, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1),
                             timeout=timedelta(seconds=args.timeout))
     # a second group, always gloo, only to find a rank that stopped responding: after a
@@ -191,10 +200,10 @@ def explain_timeout(error, health, timeout):
     return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
-def print0(*args, **kwargs):
+def print0(line):
     """Print on global rank 0 only."""
     if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        say(line)
 
 
 # ---------------------------------------------------------------- data
@@ -312,8 +321,7 @@ class Trainer:
 
     def _run_epoch(self, epoch):
         loader = self.train_dataloader
-        print(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}",
-              flush=True)
+        say(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}")
         loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         # [sum of per-sample losses, samples] on the device: no host sync per step
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)

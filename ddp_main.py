@@ -90,16 +90,25 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def say(line, file=None):
+    """Print one line in one write: lines from concurrent ranks never run into each other.
+    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
+    in containers and batch jobs, each is its own write to the shared stdout.)"""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
 def fail(what, fix):
     """Bad input: one line on stderr and exit code 2, never a traceback."""
-    print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+    say(f"error: {what} ({fix})", sys.stderr)
     sys.exit(2)
 
 
 def note(message):
     """A remark about the set-up, printed once (by global rank 0) before training starts."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {message}", flush=True)
+        say(f"note: {message}")
 
 
 def select_gpus(args):
@@ -231,10 +240,10 @@ def explain_timeout(error, health, timeout):
     return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
-def print0(*args, **kwargs):
+def print0(line):
     """Print on global rank 0 only."""
     if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        say(line)
 
 
 # ---------------------------------------------------------------- data
@@ -299,7 +308,7 @@ def mnist_available(root):
         torchvision.datasets.MNIST(root, train=False, download=True)
         return True
     except Exception as e:  # any failure to download means "not available", never a crash
-        print(f"MNIST download failed: {str(e).strip().splitlines()[-1]}", flush=True)
+        say(f"MNIST download failed: {str(e).strip().splitlines()[-1]}")
         return False
     finally:
         socket.setdefaulttimeout(previous)
@@ -644,12 +653,12 @@ def run():
             pass
     except mp.ProcessRaisedException as e:
         # the failing rank's traceback, printed once; spawn has already ended the others
-        print(f"error: a process failed\n{e}", file=sys.stderr, flush=True)
+        say(f"error: a process failed\n{e}", sys.stderr)
         sys.exit(1)
     except mp.ProcessExitedException as e:
         if e.exit_code == 2:
             sys.exit(2)  # bad input: that process printed its one error line
-        print(f"error: process {e.error_index} exited with code {e.exit_code}", file=sys.stderr, flush=True)
+        say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 
 

@@ -96,10 +96,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def say(line, file=None):
+    """Print one line in one write: lines from concurrent ranks never run into each other.
+    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
+    in containers and batch jobs, each is its own write to the shared stdout.)"""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
 def fail(what, fix):
     """Bad input: one line on stderr (from global rank 0) and exit code 2, never a traceback."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+        say(f"error: {what} ({fix})", sys.stderr)
     else:
         time.sleep(3)  # torchrun stops every rank when one exits: let rank 0 say why first
     sys.exit(2)
@@ -108,7 +117,7 @@ def fail(what, fix):
 def note(message):
     """A remark about the set-up, printed once (by global rank 0) before training starts."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {message}", flush=True)
+        say(f"note: {message}")
 
 
 def select_gpus(args):
@@ -242,10 +251,10 @@ def explain_timeout(error, health, timeout):
     return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
-def print0(*args, **kwargs):
+def print0(line):
     """Print on global rank 0 only."""
     if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        say(line)
 
 
 # ---------------------------------------------------------------- data
@@ -310,7 +319,7 @@ def mnist_available(root):
         torchvision.datasets.MNIST(root, train=False, download=True)
         return True
     except Exception as e:  # any failure to download means "not available", never a crash
-        print(f"MNIST download failed: {str(e).strip().splitlines()[-1]}", flush=True)
+        say(f"MNIST download failed: {str(e).strip().splitlines()[-1]}")
         return False
     finally:
         socket.setdefaulttimeout(previous)

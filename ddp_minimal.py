@@ -55,9 +55,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def say(line, file=None):
+    """Print one line in one write: lines from concurrent ranks never run into each other.
+    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
+    in containers and batch jobs, each is its own write to the shared stdout.)"""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
 def fail(what, fix):
     """Bad input: one line on stderr and exit code 2, never a traceback."""
-    print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+    say(f"error: {what} ({fix})", sys.stderr)
     sys.exit(2)
 
 
@@ -158,10 +167,10 @@ def explain_timeout(error, health, timeout):
     return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
-def print0(*args, **kwargs):
+def print0(line):
     """Print on global rank 0 only."""
     if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        say(line)
 
 
 # ---------------------------------------------------------------- replica check / metrics
@@ -205,7 +214,7 @@ def step(device, args):
     optimizer.step()  # local, yet the same update everywhere: the gradients already agree
 
     own_loss = loss.item()
-    print(f"[rank {rank}] loss={own_loss:.6f}", flush=True)
+    say(f"[rank {rank}] loss={own_loss:.6f}")
     moved = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]) - before).abs().max()
     totals = torch.tensor([own_loss], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
@@ -259,12 +268,12 @@ def run():
             pass
     except mp.ProcessRaisedException as e:
         # the failing rank's traceback, printed once; spawn has already ended the others
-        print(f"error: a process failed\n{e}", file=sys.stderr, flush=True)
+        say(f"error: a process failed\n{e}", sys.stderr)
         sys.exit(1)
     except mp.ProcessExitedException as e:
         if e.exit_code == 2:
             sys.exit(2)  # bad input: that process printed its one error line
-        print(f"error: process {e.error_index} exited with code {e.exit_code}", file=sys.stderr, flush=True)
+        say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 
 

@@ -132,10 +132,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def say(line, file=None):
+    """Print one line in one write: lines from concurrent ranks never run into each other.
+    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
+    in containers and batch jobs, each is its own write to the shared stdout.)"""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
 def fail(what, fix):
     """Bad input: one line on stderr (from global rank 0) and exit code 2, never a traceback."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {what} ({fix})", file=sys.stderr, flush=True)
+        say(f"error: {what} ({fix})", sys.stderr)
     else:
         time.sleep(3)  # torchrun stops every rank when one exits: let rank 0 say why first
     sys.exit(2)
@@ -249,8 +258,8 @@ def setup(args):
         # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and the restarted
         # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
         if env_int("RANK", 0) == 0:
-            print("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
-                  "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr, flush=True)
+            say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+                "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
     dist.init_process_group(args.backend, rank=env_int("RANK", 0), world_size=env_int("WORLD_SIZE", 1),
                             timeout=timedelta(seconds=args.timeout))
     # a second group, always gloo, only to find a rank that stopped responding: after a
@@ -285,10 +294,10 @@ def explain_timeout(error, health, timeout):
     return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
 
 
-def print0(*args, **kwargs):
+def print0(line):
     """Print on global rank 0 only."""
     if dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+        say(line)
 
 
 # ---------------------------------------------------------------- data
@@ -798,7 +807,7 @@ def train(device, args, corpus, checkpoint):
            f"{world} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention)")
     if args.sample and vocab and dist.get_rank() == 0:
         text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
-        print(f"sample ({args.sample} characters):\n{text_out}", flush=True)
+        say(f"sample ({args.sample} characters):\n{text_out}")
     in_sync = replicas_in_sync(model, device)
     summary = {
         "script": os.path.basename(__file__), "world_size": world, "backend": dist.get_backend(),

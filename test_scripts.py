@@ -68,6 +68,8 @@ def epoch_losses(out):
 
 def test_spawn_learns_and_replicas_agree(run_sh):
     out = mode_output(run_sh, "spawn")  # python ddp_gpus.py --max_epochs 5 --batch_size 32
+    # each line is written whole (the tests run with PYTHONUNBUFFERED=1, where print() is two writes)
+    assert not re.search(r"\S\[CPU: \d\]", out), f"lines of two ranks ran into each other:\n{out}"
     losses = epoch_losses(out)
     assert len(losses) == 5 and all(b < a for a, b in itertools.pairwise(losses)), losses
     assert losses[-1] < 0.1 * losses[0], "the model must actually learn the linear map"
