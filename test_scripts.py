@@ -5,6 +5,7 @@ its own temporary directory and bounded by a timeout (see conftest.py). The asse
 about behaviour: the loss falls, replicas agree, step counts are as computed, a snapshot
 resumes exactly, bad input gets one line and exit code 2, exits are clean.
 """
+import gc
 import itertools
 import math
 import os
@@ -197,6 +198,7 @@ def _ddp_equivalence_worker(rank, world, port, batch, steps, out):
             torch.save(model.module.state_dict(), out)
         del model
     finally:
+        gc.collect()  # free DDP's reducer before the group (see cleanup() in the scripts)
         dist.destroy_process_group()
 
 
@@ -231,6 +233,7 @@ def _replica_check_worker(rank, world, port, perturb, out):
         with open(f"{out}.{rank}", "w") as f:
             f.write(str(result))
     finally:
+        gc.collect()  # free DDP's reducer before the group (see cleanup() in the scripts)
         dist.destroy_process_group()
 
 
