@@ -99,3 +99,19 @@ def read_metrics(path):
 def metrics():
     """metrics(path) -> the JSON object a script wrote with --metrics."""
     return read_metrics
+
+
+# ---------------------------------------------------------------- two test processes (pytest-xdist)
+# pytest.ini runs the suite in 2 processes (`-n 2 --dist loadgroup`): most time is spent
+# waiting for launches, rendezvous and timeouts. Tests that share a module fixture stay
+# together in one process: the run.sh run, and the network namespaces and SLURM daemons
+# of test_multihost.py (two sets of them would collide). The long run.sh group goes first.
+# tryfirst: xdist reads the groups in its own hook of the same name.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "run_sh" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("run_sh"))
+        elif item.path.name == "test_multihost.py":
+            item.add_marker(pytest.mark.xdist_group("multihost"))
+    items.sort(key=lambda item: "run_sh" not in item.fixturenames)  # stable: the rest keep their order

@@ -68,7 +68,7 @@ EOF
 # ---------------------------------------------------------------- modes
 declare -A DESC
 MODES=()     # run by `bash run.sh`
-EXTRA=()     # run only when named: root-only, or long
+EXTRA=()     # run only when named: features beyond the launch modes, root-only modes
 mode() { MODES+=("$1"); DESC[$1]="$2"; }
 extra_mode() { EXTRA+=("$1"); DESC[$1]="$2"; }
 
@@ -136,7 +136,7 @@ run_restart() {
     # a fresh rendezvous store per restart: with the shared one (torch >= 2.5) restarted gloo
     # workers read the dead workers' addresses and cannot connect (pytorch#135712)
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
-        --max_epochs 4 --samples 32768 --batch_size 16 --metrics m.json &
+        --max_epochs 4 --samples 8192 --batch_size 16 --metrics m.json &
     agent=$!
     for ((i = 0; i < 600; i++)); do [ -e snapshot.pt ] && break; sleep 0.1; done
     worker="$(pgrep -P "$agent" | tail -1)"
@@ -174,7 +174,7 @@ run_main-manual() {
     wait_all "${pids[@]}" && check_metrics m.json "m['world_size'] == 2" "m['test_accuracy'] > 0.9"
 }
 
-mode main-resume "ddp_main.py: 2 epochs, --resume to 3, then --evaluate the checkpoint in one process"
+extra_mode main-resume "ddp_main.py: 2 epochs, --resume to 3, then --evaluate the checkpoint in one process"
 run_main-resume() {
     # one process evaluates in other batches than two, so under autocast a near-tie may flip: 0.5% slack
     "$PY" "$HERE/ddp_main.py" -e 2 "${SMALL[@]}" --metrics m2.json \
@@ -191,7 +191,7 @@ run_transformer() {
         && check_metrics m.json "m['val_loss'] < m['first_val_loss'] - 1" "m['val_loss'] < m['unigram_entropy']"
 }
 
-mode transformer-accum "ddp_transformer.py: --grad_accum 4 (no_sync on 3 of 4 micro-batches), then --resume one more epoch"
+extra_mode transformer-accum "ddp_transformer.py: --grad_accum 4 (no_sync on 3 of 4 micro-batches), then --resume one more epoch"
 run_transformer-accum() {
     local cmd=("${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --grad_accum 4
                --batch_size 4 --d_model 64 --num_layers 2 --sample 0 --metrics m.json)
@@ -199,7 +199,7 @@ run_transformer-accum() {
         && check_metrics m.json "m['resumed_from_epoch'] == 1" "m['epochs'] == 2" "m['val_loss'] < m['unigram_entropy']"
 }
 
-mode transformer-toy "ddp_transformer.py --dataset toy: the seed's experiment (12 constant rows, SGD 0.01), loss falls"
+extra_mode transformer-toy "ddp_transformer.py --dataset toy: the seed's experiment (12 constant rows, SGD 0.01), loss falls"
 run_transformer-toy() {
     "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --dataset toy --metrics m.json \
         && check_metrics m.json

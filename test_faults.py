@@ -125,7 +125,7 @@ def free_port():
 # per script: arguments that make an epoch last long enough to kill a worker inside a later one,
 # where its snapshot/checkpoint goes, and how to read the final weights from it
 KILL_CASES = {
-    "ddp_gpus_torchrun.py": (["--max_epochs", "3", "--samples", "32768", "-b", "8"], "--snapshot_path", "model"),
+    "ddp_gpus_torchrun.py": (["--max_epochs", "3", "--samples", "8192", "-b", "8"], "--snapshot_path", "model"),
     "ddp_main_torchrun.py": (["-e", "3", "--dataset", "synthetic", "--train_samples", "12000", "--test_samples", "200",
                               "--amp", "off"], "--checkpoint", "model"),
     "ddp_transformer.py": (["--epochs", "3", "--sample", "0", "--log_every", "0", "--amp", "off"], "--checkpoint",

@@ -1,45 +1,73 @@
-"""Tests of the foundation: the linear-model scripts and run.sh, launched as users launch them.
+"""The collection's tests: every script launched as users launch it, on CPU with gloo.
 
-Everything runs on CPU with gloo (CUDA_VISIBLE_DEVICES= and --device cpu), every launch in
-its own temporary directory and bounded by a timeout (see conftest.py). The assertions are
-about behaviour: the loss falls, replicas agree, step counts are as computed, a snapshot
-resumes exactly, bad input gets one line and exit code 2, exits are clean.
+Everything runs with CUDA_VISIBLE_DEVICES= and --device cpu, every launch in its own
+temporary directory and bounded by a timeout (see conftest.py). The assertions are about
+behaviour: the loss falls, replicas agree, step counts are as computed, a snapshot resumes
+exactly, test samples are counted exactly once, the Transformer is causal, bad input gets
+one line and exit code 2, exits are clean. Three parts: the foundation (linear-model
+scripts and run.sh), the MNIST ConvNet, the Transformer. Faults: test_faults.py;
+DataParallel and the benchmark: test_dp_bench.py; several hosts and SLURM: test_multihost.py.
 """
+import contextlib
 import gc
 import itertools
 import math
 import os
 import re
+import shutil
 import socket
+import struct
 import subprocess
 import sys
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
+import ddp_transformer
 from conftest import ROOT, cpu_env, read_metrics, run_bounded
+from ddp_main import ConvNet, SyntheticDigits
+from ddp_transformer import Transformer
 
+
+# ================================================================ foundation: ddp_minimal.py, ddp_gpus*.py, run.sh
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart",
-                "main", "main-torchrun", "main-manual", "main-resume",
-                "transformer", "transformer-accum", "transformer-toy"]
-RUN_SH_EXTRA = ["bench", "netns", "netns-elastic"]  # bench: test_dp_bench.py
+                "main", "main-torchrun", "main-manual", "transformer"]
+# run only when named: bench in test_dp_bench.py, the others in slow tests below
+RUN_SH_EXTRA = ["bench", "main-resume", "transformer-accum", "transformer-toy", "netns", "netns-elastic"]
 
 
 # ---------------------------------------------------------------- run.sh, once for every mode
 @pytest.fixture(scope="module")
 def run_sh(tmp_path_factory):
-    """`bash run.sh`: every default mode, once; the tests below read its output."""
-    work = tmp_path_factory.mktemp("run_sh")
-    return run_bounded(["bash", ROOT / "run.sh"], work, timeout=900, check=False)
+    """`bash run.sh`: every default mode, once; the tests below read its output and metrics."""
+    result = run_bounded(["bash", ROOT / "run.sh"], tmp_path_factory.mktemp("run_sh"), timeout=900, check=False,
+                         env=cpu_env(KEEP_WORK=1))
+    found = re.search(r"work files in (\S+)", result.stdout)
+    result.work = Path(found.group(1)) if found else None  # one folder per mode
+    yield result
+    if result.work:
+        shutil.rmtree(result.work, ignore_errors=True)
 
 
 def mode_output(run_sh, mode):
     """The part of run.sh's output that belongs to one mode."""
     start = run_sh.stdout.index(f"================ {mode}: ")
     return run_sh.stdout[start:run_sh.stdout.index("\n---------------- ", start)]
+
+
+def mode_metrics(run_sh, mode):
+    """The metrics JSON that one run.sh mode wrote."""
+    return read_metrics(run_sh.work / mode / "m.json")
 
 
 @pytest.mark.parametrize("mode", RUN_SH_MODES)
@@ -81,7 +109,8 @@ def test_spawn_learns_and_replicas_agree(run_sh):
     assert "replicas: in sync (2 ranks" in out
 
 
-@pytest.mark.parametrize("nprocs,batch", [(1, 100), (3, 32)])
+# 2 processes: run.sh's spawn mode above; 1 process: test_torchrun_script_as_plain_python below
+@pytest.mark.parametrize("nprocs,batch", [(3, 32)])
 def test_spawn_steps_per_epoch(launch, script, tmp_path, nprocs, batch):
     r = launch([sys.executable, script("ddp_gpus.py"), "-e", "2", "-b", batch, "--device", "cpu",
                 "--nprocs", nprocs, "--metrics", tmp_path / "m.json"], timeout=90)
@@ -277,6 +306,13 @@ def test_run_sh_help_lists_every_tested_mode(launch):
 
 
 @pytest.mark.slow
+def test_run_sh_feature_modes_pass(launch):
+    """resume and --evaluate, gradient accumulation, the seed's toy run: each also has its own test above."""
+    r = launch(["bash", ROOT / "run.sh", "main-resume", "transformer-accum", "transformer-toy"], timeout=300)
+    assert "3 passed, 0 failed" in r.stdout, str(r)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_run_sh_two_host_modes_pass(launch):
     """The same commands as test_multihost.py's, through run.sh (which removes its namespaces itself)."""
@@ -287,3 +323,361 @@ def test_run_sh_two_host_modes_pass(launch):
 def test_run_sh_unknown_mode_is_an_error(launch):
     r = launch(["bash", ROOT / "run.sh", "no-such-mode"], timeout=60, check=False)
     assert r.returncode == 2 and r.stderr.startswith("error: unknown mode")
+
+
+# ================================================================ MNIST ConvNet: ddp_main.py, ddp_main_torchrun.py
+# The network is made unreachable (a proxy on a closed port) so that `--dataset auto` and
+# `--dataset mnist` behave the same on every machine: nothing is downloaded, ever.
+MNIST_TEST_SAMPLES = 1001  # 7 x 11 x 13: neither 2 nor 3 divides it, so a padding sampler would show
+MNIST_TIMEOUT = 240  # generous: the machine may be shared with other test runs
+DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: any download fails at once
+
+
+def offline_env():
+    return cpu_env(http_proxy=DEAD_PROXY, https_proxy=DEAD_PROXY, HTTP_PROXY=DEAD_PROXY,
+                   HTTPS_PROXY=DEAD_PROXY, no_proxy="", NO_PROXY="")
+
+
+def load_checkpoint(path):
+    """The checkpoint as a user loads it: weights_only, into a fresh, unwrapped ConvNet."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    assert not any(k.startswith("module.") for k in checkpoint["model"]), "DDP's module. prefix was saved"
+    model = ConvNet()
+    model.load_state_dict(checkpoint["model"])  # strict: every key matches
+    return checkpoint, model.eval()
+
+
+@torch.no_grad()
+def evaluate_here(model, images, labels):
+    """One process, one batch, plain fp32: (correct, mean loss)."""
+    outputs = model(images)
+    return int((outputs.argmax(1) == labels).sum()), F.cross_entropy(outputs, labels).item()
+
+
+def assert_matches_checkpoint(m, checkpoint_path, images, labels):
+    """The script's distributed test result equals the checkpoint evaluated in this process."""
+    _, model = load_checkpoint(checkpoint_path)
+    correct, loss = evaluate_here(model, images, labels)
+    assert m["test_samples"] == len(labels)
+    assert round(m["test_accuracy"] * len(labels)) == correct, (m["test_accuracy"], correct)
+    assert m["test_loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
+
+
+def synthetic_test_set(n, seed=0):
+    data = SyntheticDigits(n, seed=seed, train=False)
+    return data.images, data.targets
+
+
+# ---------------------------------------------------------------- train, checkpoint, resume
+def test_mnist_train_checkpoint_resume(launch, script, metrics, tmp_path):
+    """Default dataset (auto) without MNIST or network: loud synthetic fallback that learns;
+    a checkpoint that loads with weights_only and reproduces the test accuracy; --resume continues."""
+    common = ["--device", "cpu", "--amp", "off", "--train_samples", "2000", "--test_samples", str(MNIST_TEST_SAMPLES),
+              "--data", str(tmp_path / "data"), "--timeout", "60"]
+    first = launch([sys.executable, script("ddp_main.py"), *common, "--nprocs", "2", "-e", "1", "--gpu", "0,1",
+                    "--metrics", "m1.json"], timeout=MNIST_TIMEOUT, env=offline_env())
+    m1 = metrics(tmp_path / "m1.json")
+    assert "SYNTHETIC" in first.stdout and m1["dataset"] == "synthetic"
+    assert first.stdout.count("note: --gpu 0,1 ignored on CPU") == 1
+    assert first.stdout.count("SyncBatchNorm needs CUDA") == 1
+    assert f"test: {MNIST_TEST_SAMPLES} samples" in first.stdout
+    assert first.stdout.strip().splitlines()[-1].startswith("done: ddp_main.py")
+    assert (m1["world_size"], m1["epochs"], m1["resumed_from_epoch"]) == (2, 1, 0)
+    assert m1["steps_per_epoch"] == math.ceil(2000 / 2 / 32) and m1["steps"] == m1["steps_per_epoch"]
+    assert (m1["amp"], m1["sync_bn"], m1["replicas_in_sync"]) == ("off", False, True)
+
+    checkpoint, _ = load_checkpoint(tmp_path / "ddp_checkpoint.pt")
+    assert checkpoint["epoch"] == 1 and checkpoint["args"]["batch_size"] == 32
+    assert set(checkpoint) >= {"model", "optimizer", "scaler", "epoch", "args"}
+    assert_matches_checkpoint(m1, tmp_path / "ddp_checkpoint.pt", *synthetic_test_set(MNIST_TEST_SAMPLES))
+
+    # resumed by the torchrun sibling as a one-process world: the checkpoint is launcher-independent
+    second = launch([sys.executable, script("ddp_main_torchrun.py"), *common, "-e", "2", "--resume",
+                     "--metrics", "m2.json"], timeout=MNIST_TIMEOUT, env=offline_env())
+    m2 = metrics(tmp_path / "m2.json")
+    assert "loaded ddp_checkpoint.pt (epoch 1" in second.stdout
+    assert "epoch 1/2" not in second.stdout and "epoch 2/2" in second.stdout
+    assert (m2["world_size"], m2["epochs"], m2["resumed_from_epoch"]) == (1, 2, 1)
+    assert m2["steps"] == math.ceil(2000 / 32) == m2["steps_per_epoch"]
+    # a run that ignored the checkpoint would start again near the first epoch's loss (about 1)
+    assert m2["first_loss"] < 0.5 * m1["first_loss"], (m1["losses"], m2["losses"])
+    assert m2["test_accuracy"] > 0.95, m2  # the synthetic set is learnable
+    assert load_checkpoint(tmp_path / "ddp_checkpoint.pt")[0]["epoch"] == 2
+    assert_matches_checkpoint(m2, tmp_path / "ddp_checkpoint.pt", *synthetic_test_set(MNIST_TEST_SAMPLES))
+
+
+# ---------------------------------------------------------------- exact evaluation
+# the seed's hand-made launch: each process is told its place in the job by environment variables
+MANUAL_LAUNCH = r"""
+port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+pids=()
+for r in 0 1; do
+    RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$PYTHON" "$@" &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+exit $rc
+"""
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_mnist_exact_evaluation(world_size, launch, script, metrics, torchrun, tmp_path):
+    """Every test sample is counted once, whatever the world size, and the result equals
+    the saved checkpoint evaluated in one process. Also: all three ways to launch the torchrun script."""
+    args = [script("ddp_main_torchrun.py"), "--device", "cpu", "--dataset", "synthetic", "--train_samples", "128",
+            "--amp", "off", "-e", "1", "--test_samples", str(MNIST_TEST_SAMPLES), "--metrics", "m.json",
+            "--timeout", "60"]
+    if world_size == 1:  # plain python: a one-process world
+        result = launch([sys.executable, *args], timeout=MNIST_TIMEOUT)
+    elif world_size == 2:
+        result = launch(["bash", "-c", MANUAL_LAUNCH, "manual", *args], timeout=MNIST_TIMEOUT,
+                        env=cpu_env(PYTHON=sys.executable))
+    else:  # torchrun decides the world size; --gpu is ignored on CPU
+        result = launch([*torchrun, "--standalone", f"--nproc_per_node={world_size}", *args, "--gpu", "0,1"],
+                        timeout=MNIST_TIMEOUT)
+    m = metrics(tmp_path / "m.json")
+    assert m["world_size"] == world_size and m["replicas_in_sync"] is True
+    assert result.stdout.count(f"test: {MNIST_TEST_SAMPLES} samples") == 1
+    assert result.stdout.count("note: --gpu") == (1 if world_size == 3 else 0)
+    assert_matches_checkpoint(m, tmp_path / "ddp_checkpoint.pt", *synthetic_test_set(MNIST_TEST_SAMPLES))
+
+
+# ---------------------------------------------------------------- MNIST files, AMP
+def write_idx(raw, prefix, images, labels):
+    """torchvision's raw MNIST format (IDX): big-endian magic and sizes, then uint8 data."""
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+        struct.pack(">4i", 0x803, len(images), 28, 28) + images.numpy().tobytes())
+    (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">2i", 0x801, len(labels)) + labels.numpy().tobytes())
+
+
+def striped_digits(n, seed):
+    """uint8 images whose class is the row of a bright band, plus noise: learnable, unlike MNIST-sized noise."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
+    images = torch.randint(0, 60, (n, 28, 28), generator=g, dtype=torch.uint8)
+    for i, c in enumerate(labels.tolist()):
+        images[i, 2 + 2 * c:6 + 2 * c, 4:24] = 255
+    return images, labels
+
+
+def test_mnist_files_and_bf16(launch, script, metrics, tmp_path):
+    """--dataset mnist reads IDX files written here through torchvision's MNIST, with no network;
+    --amp bf16 trains on CPU and really runs in bf16 (its test loss differs from fp32's)."""
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    train_images, train_labels = striped_digits(640, seed=1)
+    test_images, test_labels = striped_digits(101, seed=2)
+    write_idx(raw, "train", train_images, train_labels)
+    write_idx(raw, "t10k", test_images, test_labels)
+    result = launch([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "2", "--dataset", "mnist",
+                     "--data", str(tmp_path / "data"), "-e", "2", "--amp", "bf16", "--metrics", "m.json"],
+                    timeout=MNIST_TIMEOUT, env=offline_env())
+    m = metrics(tmp_path / "m.json")
+    assert "MNIST download failed" not in result.stdout and f"MNIST from {tmp_path / 'data'}" in result.stdout
+    assert (m["dataset"], m["train_samples"], m["test_samples"], m["amp"]) == ("mnist", 640, 101, "bf16")
+    assert m["test_accuracy"] > 0.9, m  # images and labels were read in step
+    checkpoint, model = load_checkpoint(tmp_path / "ddp_checkpoint.pt")
+    assert checkpoint["args"]["amp"] == "bf16" and checkpoint["args"]["dataset"] == "mnist"
+    normalized = ((test_images.float() / 255 - 0.1307) / 0.3081).unsqueeze(1)  # the script's transform
+    correct, fp32_loss = evaluate_here(model, normalized, test_labels.long())
+    assert abs(round(m["test_accuracy"] * 101) - correct) <= 2
+    assert m["test_loss"] != fp32_loss and m["test_loss"] == pytest.approx(fp32_loss, rel=0.1, abs=0.01)
+
+
+def test_mnist_missing_is_a_clear_error(launch, script, tmp_path):
+    """No MNIST and no network: --dataset mnist fails fast with one error line naming the fix."""
+    result = launch([sys.executable, script("ddp_main_torchrun.py"), "--device", "cpu", "--dataset", "mnist",
+                     "--data", str(tmp_path / "nothing")], timeout=MNIST_TIMEOUT, env=offline_env(), check=False)
+    assert result.returncode == 2, result
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--dataset synthetic" in errors[0], result
+    assert "Traceback" not in result.stderr, result
+
+
+# ================================================================ Transformer: ddp_transformer.py
+# Causality, no_sync accumulation, learning, the seed's toy run, checkpoints, errors. The
+# accumulation test starts two real gloo ranks in-process with torch.multiprocessing.
+TRANSFORMER = "ddp_transformer.py"
+# a small model for the runs that test behaviour, not learning
+TRANSFORMER_SMALL = ["--d_model", "32", "--num_layers", "1", "--block_size", "32", "--batch_size", "16",
+                     "--sample", "0"]
+
+
+def torchrun2(torchrun, script, *args):
+    return [*torchrun, "--standalone", "--nproc-per-node=2", script(TRANSFORMER), "--device", "cpu", *args]
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+# ---------------------------------------------------------------- causality
+@pytest.mark.parametrize("device,amp", [("cpu", None), ("cpu", torch.bfloat16), *[
+    pytest.param("cuda", dtype, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))
+    for dtype in (None, torch.bfloat16)]])
+def test_transformer_changing_token_t_changes_no_logit_before_t(device, amp):
+    torch.manual_seed(0)
+    model = Transformer(50, 32, 4, 64, 3, 64).to(device).eval()
+    x = torch.randint(0, 50, (3, 40), device=device)
+    for t in (0, 17, 39):
+        changed = x.clone()
+        changed[:, t] = (x[:, t] + 1) % 50
+        with torch.no_grad(), torch.autocast(device, dtype=amp, enabled=amp is not None):
+            before, after = model(x).float(), model(changed).float()
+        assert before.shape == (3, 40, 50)
+        assert torch.allclose(before[:, :t], after[:, :t], atol=1e-6, rtol=0), f"logits before {t} moved"
+        assert (before[:, t:] - after[:, t:]).abs().max() > 1e-3, f"token {t} changed nothing at or after {t}"
+
+
+# ---------------------------------------------------------------- gradient accumulation
+def counting_allreduce(calls, bucket):
+    """DDP's own all-reduce hook, counting the buckets it sends."""
+    calls.append(bucket.index())
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def one_step(micro_batches, vocab, wrap):
+    """Fresh seeded model, one SGD step of train_step over micro_batches; returns (parameters, all-reduces)."""
+    torch.manual_seed(0)
+    model = Transformer(vocab, 16, 2, 32, 2, 16)
+    calls = []
+    trained = model
+    if wrap:
+        trained = DDP(model, gradient_as_bucket_view=True)  # as the script wraps it
+        trained.register_comm_hook(calls, counting_allreduce)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ddp_transformer.train_step(trained, optimizer, scaler, micro_batches, contextlib.nullcontext(), clip=0)
+    params = [p.detach().clone() for p in model.parameters()]
+    del trained, model
+    return params, len(calls)
+
+
+def accumulation_worker(rank, world, port, k):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        vocab = 20
+        data = torch.randint(0, vocab, (world, k, 4, 17), generator=torch.Generator().manual_seed(1))
+        mine = [(d[:, :-1], d[:, 1:]) for d in data[rank]]
+        accumulated, accumulated_calls = one_step(mine, vocab, wrap=True)
+        concatenated, concatenated_calls = one_step([(data[rank].flatten(0, 1)[:, :-1],
+                                                      data[rank].flatten(0, 1)[:, 1:])], vocab, wrap=True)
+        everything = data.flatten(0, 2)  # every rank's micro-batches, one process, no DDP
+        reference, _ = one_step([(everything[:, :-1], everything[:, 1:])], vocab, wrap=False)
+        # no_sync really skipped the all-reduce of the first k-1 micro-batches
+        assert accumulated_calls == concatenated_calls > 0, (accumulated_calls, concatenated_calls)
+        torch.manual_seed(0)
+        initial = list(Transformer(vocab, 16, 2, 32, 2, 16).parameters())
+        assert any(not torch.allclose(a, i) for a, i in zip(accumulated, initial)), "the step moved nothing"
+        for a, c, r in zip(accumulated, concatenated, reference):
+            assert torch.allclose(a, c, atol=1e-6, rtol=1e-5), (a - c).abs().max()
+            assert torch.allclose(a, r, atol=1e-6, rtol=1e-5), (a - r).abs().max()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def test_transformer_no_sync_accumulation_equals_one_step_on_the_concatenated_batch():
+    """2 gloo ranks: K micro-batches (K-1 under no_sync) == one step on their concatenation."""
+    ctx = mp.start_processes(accumulation_worker, args=(2, ddp_transformer.free_port(), 3), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail("the accumulation ranks did not finish in 120 s")
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+
+
+# ---------------------------------------------------------------- learning
+def entropy_nats(text):
+    counts = Counter(text)
+    return -sum(n / len(text) * math.log(n / len(text)) for n in counts.values())
+
+
+def test_transformer_default_run_beats_the_unigram_entropy(run_sh):
+    # run.sh's transformer mode: torchrun --standalone --nproc-per-node=2 ddp_transformer.py --sample 100
+    m = mode_metrics(run_sh, "transformer")
+    entropy = entropy_nats(ddp_transformer.default_corpus())
+    assert m["world_size"] == 2 and m["replicas_in_sync"] is True
+    assert m["unigram_entropy"] == pytest.approx(entropy, rel=1e-6)
+    assert m["val_loss"] < m["first_val_loss"] - 1.0, m
+    assert m["val_loss"] < entropy, (m["val_loss"], entropy)
+    assert m["tokens_per_s"] > 0 and m["flops_per_s"] == pytest.approx(m["tokens_per_s"] * m["flops_per_token"])
+    vocab = len(set(ddp_transformer.default_corpus()))
+    assert m["params"] == sum(p.numel() for p in Transformer(vocab, 128, 4, 512, 4, 128).parameters())
+    out = mode_output(run_sh, "transformer")
+    assert out.strip().splitlines()[-2].startswith("done:") and out.count("sample (") == 1  # then run.sh's "ok:"
+
+
+def test_transformer_toy_loss_falls(launch, script, torchrun, metrics, tmp_path):
+    launch(torchrun2(torchrun, script, "--dataset", "toy", "--epochs", "30", "--metrics", "m.json"), timeout=300)
+    m = metrics(tmp_path / "m.json")
+    assert m["steps_per_epoch"] == 3 and m["steps"] == 90  # 12 rows / (2 ranks x 2 rows), as in the seed
+    assert m["final_loss"] < m["first_loss"] - 0.2, m["losses"]
+    assert m["val_loss"] < m["first_val_loss"]
+
+
+# ---------------------------------------------------------------- checkpoints
+def small_corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(ddp_transformer.default_corpus()[:20000], encoding="utf-8")
+    return str(path)
+
+
+def test_transformer_checkpoint_round_trip_and_resume(launch, script, torchrun, metrics, tmp_path):
+    data = small_corpus(tmp_path)
+    common = ["--data", data, *TRANSFORMER_SMALL, "--checkpoint", "ck.pt"]
+    launch(torchrun2(torchrun, script, *common, "--epochs", "2", "--metrics", "m1.json"), timeout=300)
+    m1 = metrics(tmp_path / "m1.json")
+    state = torch.load(tmp_path / "ck.pt", map_location="cpu", weights_only=True)
+    assert state["epoch"] == 2 and state["step"] == 2 * m1["steps_per_epoch"] and state["batch_in_epoch"] == 0
+    assert not any(k.startswith("module.") for k in state["model"])
+    model = Transformer(**state["config"])
+    model.load_state_dict(state["model"])  # strict: every weight, nothing else
+    # the loaded weights give exactly the validation loss the run reported
+    text = open(data, encoding="utf-8").read()
+    vocab = "".join(sorted(set(text)))
+    assert state["vocab"] == vocab
+    args = ddp_transformer.parse_args([*TRANSFORMER_SMALL])
+    args = ddp_transformer.check_args(args)
+    _, val_set = ddp_transformer.build_data(args, text, vocab, torch.device("cpu"))
+    totals = ddp_transformer.evaluate(model, val_set, range(len(val_set)), 64, contextlib.nullcontext())
+    assert (totals[0] / totals[1]).item() == pytest.approx(m1["val_loss"], rel=1e-5)
+
+    out = launch(torchrun2(torchrun, script, *common, "--epochs", "3", "--resume", "--metrics", "m2.json"),
+                 timeout=300)
+    m2 = metrics(tmp_path / "m2.json")
+    assert "resuming from ck.pt at epoch 2" in out.stdout
+    assert m2["resumed_from_epoch"] == 2 and m2["epochs"] == 3 and m2["steps"] == m1["steps_per_epoch"]
+    assert m2["first_loss"] < m1["first_loss"] - 0.3, (m1["losses"], m2["losses"])  # continued, not restarted
+    assert torch.load(tmp_path / "ck.pt", weights_only=True)["epoch"] == 3
+
+    # a checkpoint of another model is refused before any process starts
+    bad = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--data", data, *TRANSFORMER_SMALL,
+                  "--d_model", "64", "--checkpoint", "ck.pt", "--resume"], timeout=120, check=False)
+    assert bad.returncode == 2 and len(error_lines(bad.stderr)) == 1 and "d_model" in bad.stderr, bad
+
+
+# ---------------------------------------------------------------- errors
+def test_transformer_help_lists_the_flags(launch, script):
+    out = launch([sys.executable, script(TRANSFORMER), "--help"], timeout=120)
+    for flag in ("--grad_accum", "--amp", "--data", "--resume", "--eval_every", "--sample", "per process"):
+        assert flag in out.stdout, flag
+
+
+def test_transformer_too_short_corpus_is_one_clear_error(launch, script, torchrun, tmp_path):
+    (tmp_path / "short.txt").write_text("print('hello')\n" * 3)
+    plain = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--data", "short.txt"],
+                   timeout=120, check=False)
+    assert plain.returncode == 2, plain
+    assert plain.stderr.strip().splitlines() == error_lines(plain.stderr) and len(error_lines(plain.stderr)) == 1
+    assert "--block_size" in plain.stderr and "Traceback" not in plain.stderr, plain
+    ranks = launch(torchrun2(torchrun, script, "--data", "short.txt"), timeout=120, check=False)
+    assert ranks.returncode != 0 and len(error_lines(ranks.stderr)) == 1, ranks
