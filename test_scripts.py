@@ -173,6 +173,10 @@ def test_clean_exit_ten_launches_in_a_row(script, tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
 @pytest.mark.parametrize("name,args,says", [
     ("ddp_gpus.py", ["--batch_size", "0"], "--batch_size"),
     ("ddp_gpus.py", ["--epochs", "-1"], "--epochs"),
@@ -490,7 +494,7 @@ def test_mnist_missing_is_a_clear_error(launch, script, tmp_path):
     result = launch([sys.executable, script("ddp_main_torchrun.py"), "--device", "cpu", "--dataset", "mnist",
                      "--data", str(tmp_path / "nothing")], timeout=MNIST_TIMEOUT, env=offline_env(), check=False)
     assert result.returncode == 2, result
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and "--dataset synthetic" in errors[0], result
     assert "Traceback" not in result.stderr, result
 
@@ -506,10 +510,6 @@ TRANSFORMER_SMALL = ["--d_model", "32", "--num_layers", "1", "--block_size", "32
 
 def torchrun2(torchrun, script, *args):
     return [*torchrun, "--standalone", "--nproc-per-node=2", script(TRANSFORMER), "--device", "cpu", *args]
-
-
-def error_lines(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 # ---------------------------------------------------------------- causality
@@ -582,7 +582,7 @@ def accumulation_worker(rank, world, port, k):
 
 def test_transformer_no_sync_accumulation_equals_one_step_on_the_concatenated_batch():
     """2 gloo ranks: K micro-batches (K-1 under no_sync) == one step on their concatenation."""
-    ctx = mp.start_processes(accumulation_worker, args=(2, ddp_transformer.free_port(), 3), nprocs=2,
+    ctx = mp.start_processes(accumulation_worker, args=(2, free_port(), 3), nprocs=2,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 120
     try:
