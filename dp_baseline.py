@@ -13,18 +13,21 @@ same global batches in the same order (the single process uses the DistributedSa
 shuffle of a one-process world), so their losses agree up to float rounding: the
 migration changes how fast, not what is learned.
 
-Launch (the script starts its own DDP processes; do not use torchrun here):
+Launch (the script starts its own DDP processes with mp.spawn; do not use torchrun here):
     python dp_baseline.py                          # DataParallel over all visible GPUs
     python dp_baseline.py --compare                # DataParallel, then DDP, side by side
     python dp_baseline.py --ddp --nprocs 2         # the DDP half alone (one process per GPU)
-    python dp_baseline.py --device cpu --compare   # CPU only: plain module, then 2 gloo processes
+    python dp_baseline.py --device cpu             # CPU: the plain module, one process
+    python dp_baseline.py --device cpu --compare   # CPU: plain module, then 2 gloo processes
 
 Why DDP wins on GPUs: DataParallel runs one Python process that, every step, copies
 the weights to each GPU, scatters the batch, gathers the outputs on GPU 0 and reduces
 the gradients there (the GIL, and memory piled on GPU 0); DDP runs one process per GPU
 and overlaps a ring all-reduce of the gradients with the backward pass.
 Nearest sibling: ddp_gpus.py (mp.spawn, DDP only, a linear model); this file adds the
-DataParallel baseline and the comparison.
+DataParallel baseline and the comparison. The robustness every script shares (errors,
+ports, timeouts, Ctrl-C, the replica check) is in the harness block at the end of the
+file, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
@@ -33,20 +36,17 @@ import gc
 import json
 import os
 import resource
-import socket
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 
 # ---------------------------------------------------------------- arguments
@@ -79,131 +79,52 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def say(line, file=None):
-    """Print one line in one write: lines from concurrent ranks never run into each other.
-    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
-    in containers and batch jobs, each is its own write to the shared stdout.)"""
-    file = file or sys.stdout
-    file.write(f"{line}\n")
-    file.flush()
-
-
-def fail(what, fix):
-    """Bad input: one line on stderr and exit code 2, never a traceback."""
-    say(f"error: {what} ({fix})", sys.stderr)
-    sys.exit(2)
-
-
 def check_args(args):
-    """Validate everything that can be checked before any process starts."""
-    for name in ("epochs", "batch_size", "samples"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name} must be a positive integer, got {getattr(args, name)}",
-                 f"pass --{name} 1 or more")
-    if not args.lr > 0:
-        fail(f"--lr must be positive, got {args.lr}", "pass e.g. --lr 0.001")
-    if not args.timeout > 0:
-        fail(f"--timeout must be positive, got {args.timeout}", "pass e.g. --timeout 300")
+    """Validate everything before the first run starts: no error after minutes of training."""
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "timeout", "nprocs")
+    check_folders(args.metrics)
     if args.compare and args.ddp:
         fail("--compare and --ddp exclude each other", "--compare already includes the DDP run")
+    resolve_device(args)
+    if args.compare or args.ddp:
+        check_ddp_args(args)
+    elif args.nprocs is not None:
+        fail("--nprocs only applies to the DDP run", "add --ddp or --compare, or drop --nprocs")
+    return args
+
+
+def check_ddp_args(args):
+    """The DDP run: at most one process per GPU, and a global batch that splits evenly."""
     gpus = torch.cuda.device_count()
-    if args.device == "auto":
-        args.device = "cuda" if gpus > 0 else "cpu"
-    if args.device == "cuda" and gpus == 0:
-        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-    if args.backend == "auto":
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.backend == "nccl" and args.device != "cuda":
-        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
-    if not (args.compare or args.ddp):
-        if args.nprocs is not None:
-            fail("--nprocs only applies to the DDP run", "add --ddp or --compare, or drop --nprocs")
-        return args
     if args.nprocs is None:
         args.nprocs = gpus if args.device == "cuda" else 2
-    if args.nprocs <= 0:
-        fail(f"--nprocs must be a positive integer, got {args.nprocs}", "pass --nprocs 1 or more")
     if args.device == "cuda" and args.nprocs > gpus:
         fail(f"--nprocs {args.nprocs} but only {gpus} GPU(s) are visible",
              f"pass --nprocs {gpus} or fewer, or --device cpu")
     if args.batch_size % args.nprocs:
         fail(f"the global --batch_size {args.batch_size} does not split evenly over {args.nprocs} processes",
              f"pass a multiple of {args.nprocs}")
-    return args
 
 
-# ---------------------------------------------------------------- setup / cleanup
-def free_port():
-    """A port the OS says is free now; nothing is hard-coded, so two jobs can share a host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(addr, port):
-    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, int(port)))
-        except OSError:
-            fail(f"MASTER_PORT {port} is already in use on {addr}",
-                 "unset MASTER_PORT to let the script pick a free port, or choose another")
-
-
-def cpu_threads(procs_on_this_machine):
-    """Split the cores between the processes: oversubscribed cores halve throughput."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // procs_on_this_machine)
-
-
-def setup(rank, world_size, local_rank, args):
-    """Join the process group; returns this process's device."""
+# ---------------------------------------------------------------- process group
+def setup(rank, args):
+    """Join the process group as `rank` of args.nprocs; returns this process's device."""
     if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
     else:
-        torch.set_num_threads(cpu_threads(args.nprocs))
         device = torch.device("cpu")
-    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
-    # a second group, always gloo, only to find a rank that stopped responding: after a
-    # timeout the main group's connections are closed, this one can still ask who is missing
-    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
-    return device, health
+        use_cpu_threads(args.nprocs)
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    dist.init_process_group(args.backend, rank=rank, world_size=args.nprocs,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
 
 
 def cleanup():
-    """Release DDP, then the process group.
-
-    Destroying the group while a DDP model is still alive can abort the process at
-    exit ("terminate called without an active exception"), so the frames of a failed
-    run are cleared and the garbage collector frees DDP's reducer first.
-    """
-    error = sys.exc_info()[1]
-    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def explain_timeout(error, health, timeout):
-    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
-    try:
-        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
-        who = "every rank answered afterwards"
-    except RuntimeError as e:
-        who = str(e).strip().splitlines()[0]
-    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
-
-
-def print0(line):
-    """Print on global rank 0 only (the DataParallel run has no process group: it is rank 0)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        say(line)
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- data
@@ -230,6 +151,17 @@ def chance_accuracy(dataset):
     return torch.bincount(labels, minlength=10).max().item() / len(labels)
 
 
+def epoch_batches(sampler, epoch, batch_size, device):
+    """This epoch's batches of indices: one tensor on the data's device, split into views.
+
+    Indexing a CUDA tensor with a Python list copies the list to the GPU first, a host
+    sync per step for the inputs and another for the labels: the step would time host
+    latency, not training. One copy per epoch keeps the steps free of them.
+    """
+    sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+    return torch.tensor(list(sampler), dtype=torch.long, device=device).split(batch_size)
+
+
 # ---------------------------------------------------------------- model
 class SimpleModel(nn.Module):
     """The seed's MLP: 128 features -> 256 -> 256 -> 10 class scores."""
@@ -247,6 +179,11 @@ class SimpleModel(nn.Module):
 
 
 # ---------------------------------------------------------------- train / evaluate
+def rank_and_world():
+    """(rank, world size) in the DDP run; the single-process run is rank 0 of a world of one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def all_reduce_if_distributed(totals):
     """Sum `[sum, count]` totals over the ranks; a single process already holds them all."""
     if dist.is_initialized():
@@ -261,7 +198,7 @@ def train_epoch(model, train_set, batches, optimizer):
     # [sum of per-sample losses, correct, samples]; the first two stay on the device: no host sync per step
     totals = torch.zeros(3, dtype=torch.float64, device=x.device)
     for idx in batches:
-        xs, ys = x[idx], y[idx]
+        xs, ys = x.index_select(0, idx), y.index_select(0, idx)
         optimizer.zero_grad(set_to_none=True)
         out = model(xs)
         loss = F.cross_entropy(out, ys)
@@ -278,7 +215,7 @@ def train_epoch(model, train_set, batches, optimizer):
 def evaluate(model, test_set):
     """Exact accuracy on the held-out set: each rank scores every world_size-th sample, no padding."""
     model.eval()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = rank_and_world()
     x, y = (t[rank::world] for t in test_set.tensors)
     correct = (model(x).argmax(dim=1) == y).sum().double()
     totals = torch.stack([correct, torch.tensor(float(len(y)), dtype=torch.float64, device=x.device)])
@@ -301,25 +238,24 @@ def peak_memory_mb(devices):
         return maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), "peak RSS (getrusage)"
 
 
-def fit(model, wrapped, device, per_process_batch, args):
+def fit(model, wrapped, devices, per_process_batch, args):
     """Train `wrapped` (plain, DataParallel or DDP) for args.epochs; returns the run's record.
 
     A DistributedSampler orders the data in both modes: with one replica it is a plain
     shuffle; with N ranks rank r takes every N-th index of the same shuffle, so the N
     per-process batches of step k together are exactly the single process's batch k.
     """
-    train_set, test_set = make_data(args.samples, args.seed, device)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    train_set, test_set = make_data(args.samples, args.seed, devices[0])
+    rank, world = rank_and_world()
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    batches = BatchSampler(sampler, per_process_batch, drop_last=False)
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=args.lr)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    for d in devices if devices[0].type == "cuda" else []:
+        torch.cuda.reset_peak_memory_stats(d)
     print0(f"data: {len(train_set)} train / {len(test_set)} test samples, 10 classes from a fixed "
            f"random teacher; chance (most common class) {chance_accuracy(train_set):.3f}")
     history = []
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        batches = epoch_batches(sampler, epoch, per_process_batch, devices[0])
         start = time.perf_counter()
         loss, acc, samples = train_epoch(wrapped, train_set, batches, optimizer)
         seconds = time.perf_counter() - start
@@ -336,7 +272,7 @@ def summarize(run, mode, dp_devices, device, threads, memory, in_sync, args):
     history = run["history"]
     elapsed = sum(h["seconds"] for h in history)
     steady = history[1:] or history  # the first epoch pays for warm-up (allocator, threads, buckets)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_and_world()[1]
     return {
         "script": os.path.basename(__file__), "mode": mode, "dp_devices": dp_devices,
         "world_size": world, "backend": dist.get_backend() if dist.is_initialized() else None,
@@ -354,37 +290,12 @@ def summarize(run, mode, dp_devices, device, threads, memory, in_sync, args):
     }
 
 
-# ---------------------------------------------------------------- replica check / metrics
-def replicas_in_sync(model, device):
-    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
-    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
-    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
-    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
-    return not differ
-
-
-def write_json(path, record):
-    """Write atomically: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- the single-process run
 def run_single(args):
     """DataParallel over every visible GPU when there are two or more, else the plain module."""
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    threads = None
-    if device.type == "cpu":
-        threads = cpu_threads(1)
-        torch.set_num_threads(threads)
+    threads = use_cpu_threads(1) if device.type == "cpu" else None
     torch.manual_seed(args.seed)  # the same initial weights as the DDP run
     model = SimpleModel().to(device)
     if gpus >= 2:
@@ -395,10 +306,27 @@ def run_single(args):
         where = "one GPU" if gpus == 1 else f"CPU, {threads} thread(s)"
         print0(f"run: plain | {where} | global batch {args.batch_size} | "
                f"note: nn.DataParallel needs two or more GPUs, so this trains the plain module")
-    run = fit(model, wrapped, device, args.batch_size, args)
+    run = fit(model, wrapped, devices, args.batch_size, args)
     print0("replicas: one process, one copy of the weights (DataParallel copies it to every GPU each step)")
     return summarize(run, mode, gpus if mode == "dp" else 0, device, threads,
                      peak_memory_mb(devices), True, args)
+
+
+def free_gpu_memory(args):
+    """Hand the single run's GPU memory back before the DDP processes start (--compare).
+
+    The model, optimizer, data and DataParallel's per-step replicas were locals of
+    run_single and fit, gone with their frames (gc.collect() also frees anything a
+    reference cycle still held). But PyTorch's caching allocator keeps freed blocks
+    reserved for this process on every GPU DataParallel used, and this process lives on
+    while the DDP ranks train: they would have that much less memory (an OOM at a size
+    that fits alone). empty_cache() returns the blocks to the driver, on every GPU. What
+    stays is this process's CUDA context, a few hundred MB per GPU it touched, which
+    only ends with the process.
+    """
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- the DDP run
@@ -412,7 +340,7 @@ def train_ddp(device, args):
     print0(f"run: ddp | {world} process(es) x {device.type} ({dist.get_backend()})"
            f"{f', {threads} thread(s) each' if threads else ''} | "
            f"{args.batch_size // world} per process (global batch {args.batch_size})")
-    run = fit(model, ddp_model, device, args.batch_size // world, args)
+    run = fit(model, ddp_model, [device], args.batch_size // world, args)
     del ddp_model  # release DDP's reducer before the group goes (see cleanup)
     in_sync = replicas_in_sync(model, device)
     memory, kind = peak_memory_mb([device])
@@ -421,50 +349,30 @@ def train_ddp(device, args):
     return summarize(run, "ddp", 0, device, threads, (peak.item(), kind), in_sync, args)
 
 
-def main(rank, args, result_path):
-    """One process of the job; `mp.spawn` passes the rank first."""
-    device, health = setup(rank, args.nprocs, rank, args)
+def main(rank, args):
+    """One DDP process; mp.spawn passes the rank first. Rank 0 hands its record to the parent."""
+    device = setup(rank, args)
     try:
-        record = train_ddp(device, args)
+        with explained_failures(args.timeout, None):
+            record = train_ddp(device, args)
         if rank == 0:
-            write_json(result_path, record)  # hands the record to the parent process
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower():
-            raise
-        raise explain_timeout(error, health, args.timeout) from error
+            write_json(args.ddp_record, record)
     finally:
         cleanup()
     if not record["replicas_in_sync"]:
-        sys.exit(1)
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
 def run_ddp(args):
-    """Start args.nprocs DDP processes; returns rank 0's record."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" in os.environ:
-        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    else:
-        os.environ["MASTER_PORT"] = str(free_port())
+    """Start args.nprocs DDP processes and wait for them; returns rank 0's record."""
     with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "ddp.json")
-        try:
-            context = mp.spawn(main, args=(args, result_path), nprocs=args.nprocs, join=False)
-            while not context.join(grace_period=3):  # after a failure, a frozen rank is killed in seconds
-                pass
-        except mp.ProcessRaisedException as e:
-            # the failing rank's traceback, printed once; spawn has already ended the others
-            say(f"error: a process failed\n{e}", sys.stderr)
-            sys.exit(1)
-        except mp.ProcessExitedException as e:
-            if e.exit_code == 2:
-                sys.exit(2)  # bad input: that process printed its one error line
-            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
-            sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
-        with open(result_path) as f:
+        args.ddp_record = os.path.join(tmp, "ddp.json")
+        spawn_processes(main, args, args.nprocs)
+        with open(args.ddp_record) as f:
             return json.load(f)
 
 
-# ---------------------------------------------------------------- main
+# ---------------------------------------------------------------- the comparison
 def describe(record):
     """`dp (2 GPUs)`, `plain (1 x cpu)` or `ddp (2 x cpu, gloo)`: what a column of the comparison ran."""
     if record["mode"] == "dp":
@@ -482,23 +390,16 @@ def print_comparison(single, ddp):
         ("peak memory per process", lambda r: f"{r['peak_memory_mb']:.0f} MB ({r['peak_memory_kind']})"),
         ("batch per process", lambda r: f"{r['batch_size_per_process']} (global {r['batch_size']})"),
     ]
-    print(f"\n{'':28} {describe(single):>28} {describe(ddp):>28}")
+    say(f"\n{'':28} {describe(single):>28} {describe(ddp):>28}")
     for name, cell in rows:
-        print(f"{name:28} {cell(single):>28} {cell(ddp):>28}")
-    print(f"ddp / {single['mode']} throughput: {ddp['steady_samples_per_s'] / single['steady_samples_per_s']:.2f}x; "
-          f"final losses differ by {abs(ddp['final_loss'] - single['final_loss']):.2e} "
-          f"(same global batches; only the float summation order differs)\n", flush=True)
+        say(f"{name:28} {cell(single):>28} {cell(ddp):>28}")
+    say(f"ddp / {single['mode']} throughput: {ddp['steady_samples_per_s'] / single['steady_samples_per_s']:.2f}x; "
+        f"final losses differ by {abs(ddp['final_loss'] - single['final_loss']):.2e} "
+        f"(same global batches; only the float summation order differs)\n")
 
 
-def run():
-    args = check_args(parse_args())
-    records = []
-    if not args.ddp:
-        records.append(run_single(args))
-    if args.ddp or args.compare:
-        records.append(run_ddp(args))
-    if args.compare:
-        print_comparison(*records)
+def report(records, args):
+    """The metrics (--metrics) and the `done:` line; exit 1 when a run's replicas differ."""
     summary = dict(records[-1])
     if args.compare:
         summary["compare"] = records
@@ -507,11 +408,376 @@ def run():
     runs = " vs ".join(f"{describe(r)} {r['steady_samples_per_s']:.0f} samples/s, loss {r['first_loss']:.4f} -> "
                        f"{r['final_loss']:.4f}, test acc {r['test_accuracy']:.3f}" for r in records)
     in_sync = all(r["replicas_in_sync"] for r in records)
-    print(f"done: {summary['script']} | torch {torch.__version__} | {args.epochs} epochs | {runs} | "
-          f"replicas {'in sync' if in_sync else 'DIFFER'}", flush=True)
+    say(f"done: {summary['script']} | torch {torch.__version__} | {args.epochs} epochs | {runs} | "
+        f"replicas {'in sync' if in_sync else 'DIFFER'}")
     if not in_sync:
         sys.exit(1)
 
 
+def run(args):
+    """The single-process run, the DDP run, or one then the other (--compare)."""
+    if args.ddp or args.compare:
+        prepare_rendezvous(args, spawning=True)  # a busy MASTER_PORT fails now, not after the first run
+    records = []
+    if not args.ddp:
+        records.append(run_single(args))
+        free_gpu_memory(args)
+    if args.ddp or args.compare:
+        records.append(run_ddp(args))
+    if args.compare:
+        print_comparison(*records)
+    report(records, args)
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its GPU, its file system) is said by this process.
+    """
+    rank = global_rank()
+    if rank == 0 or every_rank:
+        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
+    if args.backend == "auto":
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
+        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
+             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    return args
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT). First the flight recorder dumps each rank's last collectives to
+        # /tmp/nccl_trace_rank_<rank>; `torchfrtrace /tmp -p nccl_trace_rank_` names the rank
+        # that never arrived.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Ctrl-C and timeouts of one process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the cleanup runs to its end; a process whose SIGINT was ignored when it started
+    (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"checkpoint at {unit} {state[key]} kept in {path}"
+    return f"checkpoint kept in {path}"
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the two ways a job ends early into one line each.
+
+    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
+    via a second gloo group: after a timeout the main group's connections are closed, this
+    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
+    prepare_rendezvous.) Ctrl-C ends the process with exit code 130 and, on rank 0, the
+    line `interrupted (...)`; a checkpoint is never half-written (save_checkpoint is atomic).
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            deadline = threading.Timer(4, os._exit, (130,))  # the cleanup gets 4 s, then we leave
+            deadline.daemon = True
+            deadline.start()
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            raise SystemExit(130) from None
+        if health is None or "timed out" not in str(error).lower():
+            raise
+        try:
+            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
+                                   wait_all_ranks=True)
+            who = "every rank answered afterwards"
+        except RuntimeError as e:
+            who = str(e).strip().splitlines()[0]
+        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+            f"[rank {global_rank()}]", sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
+    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically. Call on global rank 0 only, then dist.barrier() before anyone reads."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it")
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+# ---- end of harness ----
+
+
 if __name__ == "__main__":
-    run()
+    run(check_args(parse_args()))
