@@ -2,65 +2,85 @@
 
 Scenario: the seed's `ConvNet` (two conv blocks with BatchNorm, then a linear layer)
 learns MNIST with mixed precision (`torch.amp`; by default bf16 on GPUs and CPUs that
-have it, fp16 with a GradScaler on older GPUs), SyncBatchNorm on GPUs, a
+have it natively, fp16 with a GradScaler on older GPUs), SyncBatchNorm on GPUs, a
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
-(the others wait) and writes a checkpoint each epoch that `--resume` continues from
-and `--evaluate` only evaluates. Without MNIST (no copy in `--data`, no network) an
-offline stand-in with MNIST's shapes is used, and the script says so.
+(the others wait) and writes a checkpoint each epoch that `--resume -e 6` continues to
+epoch 6 and `--evaluate` only evaluates. Without MNIST (no copy in `--data`, no network)
+an offline stand-in with MNIST's shapes is used, and the script says so;
+`--dataset synthetic` never touches the network. `--gpu 0,1` counts the GPUs this
+process sees: under CUDA_VISIBLE_DEVICES=4,5,6,7 (SLURM, containers) it means 4 and 5.
 
-Launch (the script starts its own processes; do not use torchrun here):
+One script, two launches. ddp_main.py starts one process per GPU itself: mp.spawn passes
+each its rank, and the script sets the environment torchrun would set. ddp_main_torchrun.py
+is started by torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (env://), so it also runs across nodes (then `--data` and `--checkpoint` must
+be on a file system every node sees), by hand, or as one plain `python` process; restarted
+by torchrun (`--max-restarts`) it resumes from `--checkpoint`. `diff ddp_main.py
+ddp_main_torchrun.py` shows the launch, nothing else. ddp_gpus.py and ddp_gpus_torchrun.py
+are the same two launches for a linear model without data, AMP or evaluation.
+
+Launch:
     python ddp_main.py --gpu 0,1 -e 3 -b 32          # GPUs 0 and 1, one process each, NCCL
     python ddp_main.py                               # every visible GPU; on CPU 2 processes
-    python ddp_main.py --resume -e 6                 # continue ddp_checkpoint.pt to epoch 6
-    python ddp_main.py --evaluate                    # only evaluate ddp_checkpoint.pt
-    python ddp_main.py --device cpu --nprocs 2       # CPU only, gloo
-    python ddp_main.py --dataset synthetic           # never touch the network
+    CUDA_VISIBLE_DEVICES= python ddp_main.py --device cpu --nprocs 2   # CPU only, gloo
 
-Over the seed this fixes: defaults that learn (Adam at 1e-3; the seed's SGD at 1e-4
-barely moves), `torch.amp` instead of the deprecated `torch.cuda.amp`, RANK equal to the
-global rank, a test accuracy over exactly the test set (DistributedSampler pads
-duplicates in), no deadlocking rank-0-only evaluation, one download instead of one per
-process, a checkpoint without the `module.` prefix that loads with `weights_only=True`,
-a free port instead of a hard-coded one, and a CPU path. Nearest sibling:
-ddp_main_torchrun.py is the same script launched by torchrun; ddp_gpus.py is the same
-launch for a linear model without data, AMP or evaluation.
+Over the seed this fixes: defaults that learn at any world size (Adam at 1e-3, the
+seed's SGD at 1e-4 barely moves; at least 60 steps per process), `torch.amp` instead of
+the deprecated `torch.cuda.amp`, RANK equal to the global rank, a test accuracy over
+exactly the test set (DistributedSampler pads duplicates in), no deadlocking rank-0-only
+evaluation, one download instead of one per process, a checkpoint without the `module.`
+prefix that loads with `weights_only=True`, a free port instead of a hard-coded one, and
+a CPU path. The robustness every script shares (errors, ports, timeouts, Ctrl-C, the
+replica check, checkpoint files) is the harness block at the end of the file.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import gc
-import json
+import math
 import os
-import pickle
 import re
 import socket
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+
+DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (a large world)
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--gpu", default=None, metavar="IDS",
-                   help="GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES; default: all visible)")
-    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=3, metavar="N",
-                   help="epochs to train (with --resume: the epoch to end at)")
+    add_training_args(p)
+    add_data_args(p)
+    add_job_args(p)
+    p.add_argument("--nprocs", type=int, default=None, metavar="N",
+                   help="processes to start (default: the visible GPUs on CUDA, 2 on CPU)")
+    return p.parse_args(argv)
+
+
+def add_training_args(p):
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=None, metavar="N",
+                   help=f"epochs to train, with --resume the epoch to end at; None: {DEFAULT_EPOCHS}, or "
+                        f"more where that gives fewer than {MIN_STEPS} steps per process (a large world)")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
                    help="samples per step, per process (the global batch is N x world size)")
     p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed for the data order and the initial weights")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
+                   help="mixed precision; auto: bf16 where the GPU or CPU has it natively, else fp16 "
+                        "(with a GradScaler) on GPUs and off on CPUs")
+
+
+def add_data_args(p):
     p.add_argument("--data", default="./data", metavar="DIR", help="MNIST folder (DIR/MNIST/raw)")
     p.add_argument("--dataset", choices=["auto", "mnist", "synthetic"], default="auto",
                    help="auto: MNIST when present or downloadable, else the offline synthetic stand-in")
@@ -70,15 +90,16 @@ def parse_args(argv=None):
                    help="use the first N test samples (default: all of MNIST; 1000 synthetic)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="DataLoader worker processes, per process (0: load in the training process)")
-    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-                   help="mixed precision; auto: bf16 where the GPU or CPU supports it, else fp16 on "
-                        "GPUs and off on CPUs")
+
+
+def add_job_args(p):
+    p.add_argument("--gpu", default=None, metavar="IDS",
+                   help="GPUs to use, e.g. 0,1: indices into CUDA_VISIBLE_DEVICES when it is set, "
+                        "else GPU numbers (default: every visible GPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                    help="auto: nccl on CUDA, gloo on CPU")
-    p.add_argument("--nprocs", type=int, default=None, metavar="N",
-                   help="processes to start (default: the visible GPUs on CUDA, 2 on CPU)")
     p.add_argument("--checkpoint", default="ddp_checkpoint.pt", metavar="PATH",
                    help="checkpoint written by rank 0 after every epoch")
     p.add_argument("--resume", action="store_true", help="continue training from --checkpoint")
@@ -87,163 +108,91 @@ def parse_args(argv=None):
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write a JSON summary of the run here (rank 0)")
-    return p.parse_args(argv)
 
 
-def say(line, file=None):
-    """Print one line in one write: lines from concurrent ranks never run into each other.
-    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
-    in containers and batch jobs, each is its own write to the shared stdout.)"""
-    file = file or sys.stdout
-    file.write(f"{line}\n")
-    file.flush()
+def check_args(args):
+    """Bad input is one error line and exit code 2, before this process joins the group."""
+    check_positive(args, "epochs", "batch_size", "lr", "timeout", "train_samples", "test_samples")
+    if args.workers < 0:
+        fail(f"--workers must be 0 or more, got {args.workers}", "pass --workers 0")
+    if (args.resume or args.evaluate) and not os.path.isfile(args.checkpoint):
+        fail(f"no checkpoint at {args.checkpoint} to {'evaluate' if args.evaluate else 'resume'}",
+             "train first, or point --checkpoint at one")
+    check_folders(args.checkpoint, args.metrics)
+    select_gpus(args)
+    resolve_device(args)
+    check_launch(args)
+    if args.device == "cpu" and args.gpu is not None:
+        print0(f"note: --gpu {args.gpu} ignored on CPU; the number of processes sets the world size")
+    if args.device == "cpu" and args.amp == "fp16":
+        print0("note: --amp fp16 on CPU runs far slower than fp32 or bf16 (few CPU kernels are fast in fp16)")
+    if args.device == "cpu" and not args.evaluate:
+        # torch refuses SyncBatchNorm on CPU ("SyncBatchNorm layers only work with GPU modules")
+        print0("note: SyncBatchNorm needs CUDA; on CPU each rank keeps its own BatchNorm statistics")
+    return args
 
 
-def fail(what, fix):
-    """Bad input: one line on stderr and exit code 2, never a traceback."""
-    say(f"error: {what} ({fix})", sys.stderr)
-    sys.exit(2)
+def check_launch(args):
+    """mp.spawn starts --nprocs processes on this machine: by default one per visible GPU, 2 on CPU."""
+    gpus = torch.cuda.device_count()
+    args.nprocs = (gpus if args.device == "cuda" else 2) if args.nprocs is None else args.nprocs
+    check_positive(args, "nprocs")
+    if args.device == "cuda" and args.nprocs > gpus:
+        fail(f"--nprocs {args.nprocs} but only {gpus} GPU(s) are visible",
+             f"pass --nprocs {gpus} or fewer, or --device cpu")
 
 
-def note(message):
-    """A remark about the set-up, printed once (by global rank 0) before training starts."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        say(f"note: {message}")
+def visible_gpus(ids, preset):
+    """CUDA_VISIBLE_DEVICES for `--gpu ids`; None when an index is beyond the visible GPUs.
+
+    A list already set (by SLURM, a container, the user) is indexed, not replaced: under
+    4,5,6,7, `--gpu 0,1` means 4,5. An empty one (no GPU visible) stays empty.
+    """
+    if not preset:
+        return ids if preset is None else preset
+    visible = [name.strip() for name in preset.split(",")]
+    picked = [int(i) for i in ids.split(",")]
+    return ",".join(visible[i] for i in picked) if max(picked) < len(visible) else None
 
 
 def select_gpus(args):
-    """Apply --gpu. CUDA reads CUDA_VISIBLE_DEVICES once, at its first use, so this runs before any CUDA call."""
+    """Apply --gpu before the first CUDA call: CUDA reads CUDA_VISIBLE_DEVICES once."""
     if args.gpu is None:
         return
     if not re.fullmatch(r"\d+(,\d+)*", args.gpu):
         fail(f"--gpu {args.gpu!r} is not a list of GPU numbers", "pass e.g. --gpu 0,1")
-    if args.device != "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu
+    if args.device == "cpu":
+        return  # said in a note once the device is known
+    preset = os.environ.get("CUDA_VISIBLE_DEVICES")
+    chosen = visible_gpus(args.gpu, preset)
+    if chosen is None:
+        fail(f"--gpu {args.gpu} but CUDA_VISIBLE_DEVICES={preset} shows {len(preset.split(','))} GPU(s)",
+             "--gpu counts the visible GPUs from 0: pass smaller indices")
+    os.environ["CUDA_VISIBLE_DEVICES"] = chosen
 
 
-def check_args(args):
-    """Validate everything that can be checked before any process starts."""
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name} must be a positive integer, got {getattr(args, name)}",
-                 f"pass --{name} 1 or more")
-    for name in ("train_samples", "test_samples"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            fail(f"--{name} must be a positive integer, got {getattr(args, name)}",
-                 f"pass --{name} 1 or more, or leave it out for the whole set")
-    if args.workers < 0:
-        fail(f"--workers must be 0 or more, got {args.workers}", "pass --workers 0")
-    if not args.lr > 0:
-        fail(f"--lr must be positive, got {args.lr}", "pass e.g. --lr 1e-3")
-    if not args.timeout > 0:
-        fail(f"--timeout must be positive, got {args.timeout}", "pass e.g. --timeout 300")
-    if (args.resume or args.evaluate) and not os.path.isfile(args.checkpoint):
-        fail(f"no checkpoint at {args.checkpoint} to {'evaluate' if args.evaluate else 'resume'}",
-             "train first, or point --checkpoint at one")
-    if args.resume or args.evaluate:
-        read_checkpoint(args.checkpoint)
-    for path in (args.checkpoint, args.metrics):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
-    select_gpus(args)
-    gpus = torch.cuda.device_count()
-    if args.device == "auto":
-        args.device = "cuda" if gpus > 0 else "cpu"
-    if args.device == "cuda" and gpus == 0:
-        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-    if args.backend == "auto":
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.backend == "nccl" and args.device != "cuda":
-        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
-    if args.nprocs is None:
-        args.nprocs = gpus if args.device == "cuda" else 2
-    if args.nprocs <= 0:
-        fail(f"--nprocs must be a positive integer, got {args.nprocs}", "pass --nprocs 1 or more")
-    if args.device == "cuda" and args.nprocs > gpus:
-        fail(f"--nprocs {args.nprocs} but only {gpus} GPU(s) are visible",
-             f"pass --nprocs {gpus} or fewer, or --device cpu")
-    if args.device == "cpu" and args.gpu is not None:
-        note(f"--gpu {args.gpu} ignored on CPU; the number of processes sets the world size")
-    if args.device == "cpu" and args.amp == "fp16":
-        note("--amp fp16 on CPU runs far slower than fp32 or bf16 (few CPU kernels are fast in fp16)")
-    if args.device == "cpu" and not args.evaluate:
-        # torch refuses SyncBatchNorm on CPU ("SyncBatchNorm layers only work with GPU modules")
-        note("SyncBatchNorm needs CUDA; on CPU each rank keeps its own BatchNorm statistics")
-    return args
-
-
-# ---------------------------------------------------------------- setup / cleanup
-def free_port():
-    """A port the OS says is free now; nothing is hard-coded, so two jobs can share a host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(addr, port):
-    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, int(port)))
-        except OSError:
-            fail(f"MASTER_PORT {port} is already in use on {addr}",
-                 "unset MASTER_PORT to let the script pick a free port, or choose another")
-
-
-def cpu_threads(procs_on_this_machine):
-    """Split the cores between the processes: oversubscribed cores halve throughput."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // procs_on_this_machine)
-
-
-def setup(rank, world_size, local_rank, args):
-    """Join the process group; returns this process's device."""
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group that the environment describes (env://); returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # a hand-made launch may set only RANK and WORLD_SIZE
     if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
     else:
-        torch.set_num_threads(cpu_threads(args.nprocs))
         device = torch.device("cpu")
+        # without LOCAL_WORLD_SIZE (a hand-made launch) every rank is taken to be on this machine
+        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
-    # a second group, always gloo, only to find a rank that stopped responding: after a
-    # timeout the main group's connections are closed, this one can still ask who is missing
-    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
-    return device, health
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
 
 
 def cleanup():
-    """Release DDP, then the process group.
-
-    Destroying the group while a DDP model is still alive can abort the process at
-    exit ("terminate called without an active exception"), so the frames of a failed
-    run are cleared and the garbage collector frees DDP's reducer first.
-    """
-    error = sys.exc_info()[1]
-    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def explain_timeout(error, health, timeout):
-    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
-    try:
-        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
-        who = "every rank answered afterwards"
-    except RuntimeError as e:
-        who = str(e).strip().splitlines()[0]
-    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
-
-
-def print0(line):
-    """Print on global rank 0 only."""
-    if dist.get_rank() == 0:
-        say(line)
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- data
@@ -323,11 +272,8 @@ def choose_dataset(args, device):
     if found.item():
         return "mnist"
     if args.dataset == "mnist":
-        if dist.get_rank() == 0:
-            fail(f"MNIST is not in {args.data}/MNIST/raw and could not be downloaded",
-                 "use --dataset synthetic for the offline stand-in, or copy MNIST there")
-        time.sleep(3)  # the launcher stops every rank when one exits: let rank 0 say why first
-        sys.exit(2)
+        fail(f"MNIST is not in {args.data}/MNIST/raw and could not be downloaded",
+             "use --dataset synthetic for the offline stand-in, or copy MNIST there")
     return "synthetic"
 
 
@@ -352,6 +298,7 @@ def load_datasets(args):
 
 
 def make_loaders(train_set, test_set, device, args):
+    """Training: a reshuffled 1/world of the data per rank. Test: every sample once over all ranks."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # worker seeds derive from this generator: one per rank, or rank r's worker k would
     # draw the same random numbers (augmentations) as worker k of every other rank
@@ -382,19 +329,20 @@ class ConvNet(nn.Module):
 
 
 def amp_choice(choice, device):
-    """Resolve --amp auto to bf16, fp16 or off.
+    """Resolve --amp auto to bf16, fp16 or off, for this process's device (after set_device).
 
-    On CPU auto means bf16 only where the CPU has bf16 instructions. Measured on the
-    collection's 2-core test machine (AMD EPYC, avx512_bf16; one ConvNet training step,
-    batch 32, one thread, median of interleaved runs): bf16 autocast 3110 samples/s
-    against fp32 1947 (1.6x); the whole 2-process default run went 1.25x faster. With
-    oneDNN held to the same CPU's instructions without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE)
-    bf16 fell to 0.8x of fp32, and to 0.2x with AVX2: there autocast only costs precision.
+    On CUDA bf16 only where the GPU computes in it (Ampere and later): torch also reports
+    emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU
+    bf16 only where the CPU has bf16 instructions. Measured on the collection's 2-core test
+    machine (AMD EPYC, avx512_bf16; one ConvNet training step, batch 32, one thread, median
+    of interleaved runs): bf16 autocast 3110 samples/s against fp32 1947 (1.6x). With oneDNN
+    held to the same CPU's instructions without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16
+    fell to 0.8x of fp32, and to 0.2x with AVX2: there autocast only costs precision.
     """
     if choice != "auto":
         return choice
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}  # older torch: off
     return "bf16" if caps.get("avx512_bf16") or caps.get("amx_bf16") else "off"
 
@@ -462,56 +410,8 @@ def sync_buffers(model):
         dist.broadcast(buffer, src=0)
 
 
-def save_checkpoint(state, path):
-    """Write to a temporary file, then rename: a crash mid-write leaves the previous file intact."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # atomic on POSIX
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def load_checkpoint(path, device):
-    """Read a checkpoint as data only: a bad file is one clear error, not a traceback per rank."""
-    try:
-        # weights_only: tensors and plain values; a pickled object is refused before it can run
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
-                      "not plain data")
-        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
-             "load only checkpoints this script wrote; delete it to start afresh")
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
-             "it is unreadable or truncated; delete it to start afresh")
-
-
-def check_compatible(state, model, path):
-    """A checkpoint of another model or configuration: say what differs, in one line."""
-    mine = model.state_dict()
-    if not isinstance(state, dict) or set(state) != set(mine):
-        theirs = set(state) if isinstance(state, dict) else set()
-        fail(f"{path} is for another model (missing {sorted(set(mine) - theirs)[:3]}, "
-             f"unexpected {sorted(theirs - set(mine))[:3]})", "delete it, or use the configuration that wrote it")
-    for name, tensor in mine.items():
-        if tuple(state[name].shape) != tuple(tensor.shape):
-            fail(f"{path} is for another configuration: {name} is {tuple(state[name].shape)} there, "
-                 f"{tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
-
-
-def read_checkpoint(path):
-    """Read and check a checkpoint before any process starts: a bad one is one error line."""
-    checkpoint = load_checkpoint(path, "cpu")
-    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scaler", "epoch", "args"} <= set(checkpoint):
-        fail(f"{path} is not a checkpoint of this script", "point --checkpoint at one it wrote")
-    check_compatible(checkpoint["model"], ConvNet(), path)
-    return checkpoint
-
-
 def write_checkpoint(model, optimizer, scaler, epoch, args):
-    """Rank 0 writes; every rank waits until the file is complete."""
+    """Rank 0 writes (atomically); every rank waits until the file is complete."""
     if dist.get_rank() == 0:
         save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scaler": scaler.state_dict(), "epoch": epoch,
@@ -520,14 +420,18 @@ def write_checkpoint(model, optimizer, scaler, epoch, args):
     dist.barrier()
 
 
-def restore_checkpoint(model, optimizer, scaler, device, args):
-    """Restore model, optimizer and grad scaler; returns the epochs already trained."""
-    checkpoint = load_checkpoint(args.checkpoint, device)
+def restore_checkpoint(model, optimizer, scaler, args):
+    """Restore model, optimizer and grad scaler from --checkpoint; returns the epochs already trained."""
+    # read once, onto the CPU: load_state_dict moves each tensor where its parameter lives
+    checkpoint = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "epoch", "args"), model)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}: a switch to fp16 starts afresh
         scaler.load_state_dict(checkpoint["scaler"])
-    trained_on = checkpoint["args"]["dataset"]
+    # a rank that read another file (not on a shared file system) would train other epochs
+    check_same_on_every_rank(checkpoint["epoch"], "checkpoint epochs",
+                             f"put {args.checkpoint} on a file system every node sees")
+    trained_on = checkpoint["args"].get("dataset")
     print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {trained_on})"
            + ("" if trained_on == args.dataset else f" -- NOTE: this run uses {args.dataset}"))
     return checkpoint["epoch"]
@@ -548,26 +452,36 @@ def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args):
     return history
 
 
-# ---------------------------------------------------------------- replica check / metrics
-def replicas_in_sync(model, device):
-    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
-    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
-    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
-    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
-    return not differ
+# ---------------------------------------------------------------- main
+def train(device, args):
+    """Build data, model and optimizer, train (or only evaluate), check and report; True when the replicas agree."""
+    torch.manual_seed(args.seed)
+    args.dataset = choose_dataset(args, device)
+    args.amp = amp_choice(args.amp, device)
+    train_loader, test_loader = make_loaders(*load_datasets(args), device, args)
+    # the world size sets the steps per epoch: a large world gets more epochs, not fewer steps
+    args.epochs = args.epochs or max(DEFAULT_EPOCHS, math.ceil(MIN_STEPS / len(train_loader)))
+    model = ConvNet().to(device)
+    if device.type == "cuda":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
+    start_epoch = restore_checkpoint(model, optimizer, scaler, args) if args.resume or args.evaluate else 0
+    print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
+           f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 
-
-def write_json(path, record):
-    """Write atomically: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(tmp, path)
+    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive
+    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    start = time.perf_counter()
+    history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(model, device)
+    sync_buffers(model)
+    result = evaluate(model, test_loader, args.amp, device)
+    print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
+           f"accuracy {100 * result['test_accuracy']:.2f}%")
+    report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args)
+    return in_sync
 
 
 def report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args):
@@ -596,71 +510,371 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, device,
            f"test accuracy {100 * result['test_accuracy']:.2f}% | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
-# ---------------------------------------------------------------- main
-def train(device, args):
-    torch.manual_seed(args.seed)
-    args.dataset = choose_dataset(args, device)
-    args.amp = amp_choice(args.amp, device)
-    train_loader, test_loader = make_loaders(*load_datasets(args), device, args)
-    model = ConvNet().to(device)
-    if device.type == "cuda":
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    start_epoch = restore_checkpoint(model, optimizer, scaler, device, args) if args.resume or args.evaluate else 0
-    print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
-           f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch")
-
-    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive
-    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    start = time.perf_counter()
-    history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
-    elapsed = time.perf_counter() - start
-    in_sync = replicas_in_sync(model, device)
-    sync_buffers(model)
-    result = evaluate(model, test_loader, args.amp, device)
-    print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
-           f"accuracy {100 * result['test_accuracy']:.2f}%")
-    report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args)
-    return in_sync
-
-
 def main(rank, args):
-    """One process of the job; `mp.spawn` passes the rank first."""
-    device, health = setup(rank, args.nprocs, rank, args)
+    """One process of the job. mp.spawn passes its rank; the rest of the job is told as torchrun tells it."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nprocs),
+                      LOCAL_WORLD_SIZE=str(args.nprocs))  # every process is on this machine
+    device = setup(args)
     try:
-        in_sync = train(device, args)
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower():
-            raise
-        raise explain_timeout(error, health, args.timeout) from error
+        with explained_failures(args.timeout, args.checkpoint):
+            in_sync = train(device, args)
     finally:
         cleanup()
     if not in_sync:
-        sys.exit(1)
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
-def run():
-    args = check_args(parse_args())
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its GPU, its file system) is said by this process.
+    """
+    rank = global_rank()
+    if rank == 0 or every_rank:
+        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
+    if args.backend == "auto":
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
+        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
+             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    return args
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
     if "MASTER_PORT" in os.environ:
-        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    else:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
         os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT). First the flight recorder dumps each rank's last collectives to
+        # /tmp/nccl_trace_rank_<rank>; `torchfrtrace /tmp -p nccl_trace_rank_` names the rank
+        # that never arrived.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Ctrl-C and timeouts of one process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the cleanup runs to its end; a process whose SIGINT was ignored when it started
+    (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
     try:
-        context = mp.spawn(main, args=(args,), nprocs=args.nprocs, join=False)
-        while not context.join(grace_period=3):  # after a failure, a frozen rank is killed in seconds
+        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"checkpoint at {unit} {state[key]} kept in {path}"
+    return f"checkpoint kept in {path}"
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the two ways a job ends early into one line each.
+
+    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
+    via a second gloo group: after a timeout the main group's connections are closed, this
+    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
+    prepare_rendezvous.) Ctrl-C ends the process with exit code 130 and, on rank 0, the
+    line `interrupted (...)`; a checkpoint is never half-written (save_checkpoint is atomic).
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            deadline = threading.Timer(4, os._exit, (130,))  # the cleanup gets 4 s, then we leave
+            deadline.daemon = True
+            deadline.start()
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            raise SystemExit(130) from None
+        if health is None or "timed out" not in str(error).lower():
+            raise
+        try:
+            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
+                                   wait_all_ranks=True)
+            who = "every rank answered afterwards"
+        except RuntimeError as e:
+            who = str(e).strip().splitlines()[0]
+        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+            f"[rank {global_rank()}]", sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
+    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically. Call on global rank 0 only, then dist.barrier() before anyone reads."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it")
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
             pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
     except mp.ProcessRaisedException as e:
-        # the failing rank's traceback, printed once; spawn has already ended the others
-        say(f"error: a process failed\n{e}", sys.stderr)
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
         sys.exit(1)
     except mp.ProcessExitedException as e:
-        if e.exit_code == 2:
-            sys.exit(2)  # bad input: that process printed its one error line
-        say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+# ---- end of harness ----
 
 
 if __name__ == "__main__":
-    run()
+    args = check_args(parse_args())
+    prepare_rendezvous(args, spawning=True)  # MASTER_ADDR, and a free MASTER_PORT unless one is set
+    spawn_processes(main, args, args.nprocs)
