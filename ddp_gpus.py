@@ -1,39 +1,37 @@
 """A `Trainer` for a linear model, one process per GPU, launched with `mp.spawn`.
 
-Scenario: `nn.Linear(20, 1)` learns a fixed linear map from 2048 noisy samples.
-`DistributedSampler` gives each process its own shard of the data, DDP averages
-the gradients, and every process ends with the same parameters (checked at the end).
+Scenario: `nn.Linear(20, 1)` learns a fixed linear map from 2048 noisy samples, one
+process per GPU, started by the script itself with `mp.spawn` (not torchrun), which passes
+each its rank; MASTER_ADDR and MASTER_PORT come from the environment, or a free port.
+`DistributedSampler` gives each process its own shard of the data, DDP averages the
+gradients, and every process ends with the same parameters (checked at the end).
+Each process prints the seed's line (`[GPU: 0] Epoch: 0 | Batchsize: 32 | Steps: 32`,
+`CPU` on CPU); rank 0 adds the epoch's loss over all processes.
 
-Launch (the script starts its own processes; do not use torchrun here):
+Launch:
     python ddp_gpus.py --max_epochs 5 --batch_size 32             # one process per visible GPU, NCCL
     CUDA_VISIBLE_DEVICES=0,1 python ddp_gpus.py --max_epochs 5    # pick the GPUs
     python ddp_gpus.py --device cpu --nprocs 2                    # CPU only, gloo
 
-Each process prints the seed's per-epoch line (`[GPU: 0] Epoch: 0 | Batchsize: 32 |
-Steps: 32`, `CPU` on CPU); rank 0 adds the loss of the epoch over all processes.
-Steps per epoch = ceil(2048 / (batch_size x world_size)).
-
 Over the seed this fixes: a loss that can learn (MSE on targets that depend on the
 inputs; the seed's cross-entropy over one output is always zero), `torch.optim.SGD`,
 the same data set on every rank, a free port instead of a hard-coded one, a CPU path,
-and a final check that the replicas agree. Nearest sibling: ddp_gpus_torchrun.py is
-the same trainer launched by torchrun, with an elastic snapshot.
+and a final check that the replicas agree.
+
+Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): `diff ddp_gpus.py ddp_gpus_torchrun.py`
+shows the launch and the snapshot, nothing else. The robustness every script shares (errors,
+ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of the file.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import gc
-import json
 import os
-import socket
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -50,12 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.1, metavar="LR", help="SGD learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
     p.add_argument("--samples", type=int, default=2048, metavar="N", help="size of the data set")
+    p.add_argument("--nprocs", type=int, default=None, metavar="N", help="processes (default: GPUs, 2 on CPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
                    help="auto: nccl on CUDA, gloo on CPU")
-    p.add_argument("--nprocs", type=int, default=None, metavar="N",
-                   help="processes to start (default: the visible GPUs on CUDA, 2 on CPU)")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
@@ -63,124 +60,38 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def say(line, file=None):
-    """Print one line in one write: lines from concurrent ranks never run into each other.
-    (print() writes the text and the newline separately, and with PYTHONUNBUFFERED=1, common
-    in containers and batch jobs, each is its own write to the shared stdout.)"""
-    file = file or sys.stdout
-    file.write(f"{line}\n")
-    file.flush()
-
-
-def fail(what, fix):
-    """Bad input: one line on stderr and exit code 2, never a traceback."""
-    say(f"error: {what} ({fix})", sys.stderr)
-    sys.exit(2)
-
-
 def check_args(args):
-    """Validate everything that can be checked before any process starts."""
-    for name in ("epochs", "batch_size", "samples"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name} must be a positive integer, got {getattr(args, name)}",
-                 f"pass --{name} 1 or more")
-    if not args.lr > 0:
-        fail(f"--lr must be positive, got {args.lr}", "pass e.g. --lr 0.1")
-    if not args.timeout > 0:
-        fail(f"--timeout must be positive, got {args.timeout}", "pass e.g. --timeout 300")
+    """Bad input is one error line, before any training."""
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "timeout", "nprocs")
+    check_folders(args.metrics)
+    resolve_device(args)
     gpus = torch.cuda.device_count()
-    if args.device == "auto":
-        args.device = "cuda" if gpus > 0 else "cpu"
-    if args.device == "cuda" and gpus == 0:
-        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-    if args.backend == "auto":
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.backend == "nccl" and args.device != "cuda":
-        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
-    if args.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
-        fail(f"the folder of {args.metrics} does not exist", "create it first, or pass another path")
-    if args.nprocs is None:
-        args.nprocs = gpus if args.device == "cuda" else 2
-    if args.nprocs <= 0:
-        fail(f"--nprocs must be a positive integer, got {args.nprocs}", "pass --nprocs 1 or more")
+    args.nprocs = args.nprocs or (gpus if args.device == "cuda" else 2)
     if args.device == "cuda" and args.nprocs > gpus:
-        fail(f"--nprocs {args.nprocs} but only {gpus} GPU(s) are visible",
-             f"pass --nprocs {gpus} or fewer, or --device cpu")
+        fail(f"--nprocs {args.nprocs} but only {gpus} GPU(s) are visible", "pass fewer, or --device cpu")
     return args
 
 
-# ---------------------------------------------------------------- setup / cleanup
-def free_port():
-    """A port the OS says is free now; nothing is hard-coded, so two jobs can share a host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_port_free(addr, port):
-    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr, int(port)))
-        except OSError:
-            fail(f"MASTER_PORT {port} is already in use on {addr}",
-                 "unset MASTER_PORT to let the script pick a free port, or choose another")
-
-
-def cpu_threads(procs_on_this_machine):
-    """Split the cores between the processes: oversubscribed cores halve throughput."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // procs_on_this_machine)
-
-
-def setup(rank, world_size, local_rank, args):
+# ---------------------------------------------------------------- process group
+def setup(rank, args):
     """Join the process group; returns this process's device."""
+    world_size, local_rank, local_world_size = args.nprocs, rank, args.nprocs  # all on this machine
     if args.device == "cuda":
-        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
     else:
-        torch.set_num_threads(cpu_threads(args.nprocs))
         device = torch.device("cpu")
+        use_cpu_threads(local_world_size)
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
-    # a second group, always gloo, only to find a rank that stopped responding: after a
-    # timeout the main group's connections are closed, this one can still ask who is missing
-    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
-    return device, health
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
 
 
 def cleanup():
-    """Release DDP, then the process group.
-
-    Destroying the group while a DDP model is still alive can abort the process at
-    exit ("terminate called without an active exception"), so the frames of a failed
-    run are cleared and the garbage collector frees DDP's reducer first.
-    """
-    error = sys.exc_info()[1]
-    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def explain_timeout(error, health, timeout):
-    """A collective timed out: name the rank(s) that did not arrive, via gloo's monitored_barrier."""
-    try:
-        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
-        who = "every rank answered afterwards"
-    except RuntimeError as e:
-        who = str(e).strip().splitlines()[0]
-    return TimeoutError(f"a collective waited longer than --timeout {timeout:g} s ({who})")
-
-
-def print0(line):
-    """Print on global rank 0 only."""
-    if dist.get_rank() == 0:
-        say(line)
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- data
@@ -205,14 +116,16 @@ class MyTrainDataset(Dataset):
         return self.x[index], self.y[index]
 
 
-# ---------------------------------------------------------------- model / trainer
+# ---------------------------------------------------------------- trainer
 class Trainer:
     def __init__(self, model, train_dataloader, optimizer, device):
         self.device = device
         self.tag = f"{device.type.upper().replace('CUDA', 'GPU')}: {dist.get_rank()}"
         self.train_dataloader = train_dataloader
         self.optimizer = optimizer
-        self.model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+        model.to(device)
+        self.epochs_run = 0
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.steps = 0
 
     def _run_batch(self, xs, ys):
@@ -235,12 +148,12 @@ class Trainer:
             loss = self._run_batch(xs, ys)
             totals[0] += loss.double() * len(xs)
             totals[1] += len(xs)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals)  # the global mean loss, not rank 0's own
         return (totals[0] / totals[1]).item(), int(totals[1].item())
 
     def train(self, max_epochs):
         history = []
-        for epoch in range(max_epochs):
+        for epoch in range(self.epochs_run, max_epochs):
             start = time.perf_counter()
             loss, samples = self._run_epoch(epoch)
             seconds = time.perf_counter() - start
@@ -250,7 +163,308 @@ class Trainer:
         return history
 
 
-# ---------------------------------------------------------------- replica check / metrics
+# ---------------------------------------------------------------- main
+def train(device, args):
+    torch.manual_seed(args.seed)
+    dataset = MyTrainDataset(args.samples, seed=args.seed)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # each rank its own 1/N
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                        pin_memory=device.type == "cuda")
+    model = torch.nn.Linear(20, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, loader, optimizer, device)
+    resumed_from = trainer.epochs_run
+
+    start = time.perf_counter()
+    history = trainer.train(args.epochs)
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(trainer.model.module, device)
+    report(history, elapsed, trainer.steps, len(loader), resumed_from, in_sync, device, args)
+    return in_sync
+
+
+def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+    losses = [h["loss"] for h in history] or [float("nan")]
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
+        "epochs": args.epochs, "steps": steps, "steps_per_epoch": steps_per_epoch,
+        "batch_size": args.batch_size, "elapsed_s": elapsed,
+        "samples_per_s": sum(h["samples"] for h in history) / elapsed,
+        "first_loss": losses[0], "final_loss": losses[-1], "losses": [h["loss"] for h in history],
+        "replicas_in_sync": in_sync, "resumed_from_epoch": resumed_from,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) "
+           f"| torch {torch.__version__} | {args.epochs} epochs | loss {summary['first_loss']:.4f} -> "
+           f"{summary['final_loss']:.4f} | {summary['samples_per_s']:.0f} samples/s | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def main(rank, args):
+    """One process of the job: mp.spawn passes its rank (ddp_gpus.py), or torchrun sets RANK."""
+    device = setup(rank, args)
+    try:
+        with explained_failures(args.timeout, None):
+            in_sync = train(device, args)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its GPU, its file system) is said by this process.
+    """
+    rank = global_rank()
+    if rank == 0 or every_rank:
+        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
+    if args.backend == "auto":
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
+        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
+             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    return args
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT). First the flight recorder dumps each rank's last collectives to
+        # /tmp/nccl_trace_rank_<rank>; `torchfrtrace /tmp -p nccl_trace_rank_` names the rank
+        # that never arrived.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Ctrl-C and timeouts of one process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the cleanup runs to its end; a process whose SIGINT was ignored when it started
+    (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"checkpoint at {unit} {state[key]} kept in {path}"
+    return f"checkpoint kept in {path}"
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the two ways a job ends early into one line each.
+
+    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
+    via a second gloo group: after a timeout the main group's connections are closed, this
+    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
+    prepare_rendezvous.) Ctrl-C ends the process with exit code 130 and, on rank 0, the
+    line `interrupted (...)`; a checkpoint is never half-written (save_checkpoint is atomic).
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            deadline = threading.Timer(4, os._exit, (130,))  # the cleanup gets 4 s, then we leave
+            deadline.daemon = True
+            deadline.start()
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            raise SystemExit(130) from None
+        if health is None or "timed out" not in str(error).lower():
+            raise
+        try:
+            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
+                                   wait_all_ranks=True)
+            who = "every rank answered afterwards"
+        except RuntimeError as e:
+            who = str(e).strip().splitlines()[0]
+        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+            f"[rank {global_rank()}]", sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
 def replicas_in_sync(model, device):
     """Gather a fingerprint of the parameters from every rank; True when all are identical."""
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
@@ -264,84 +478,95 @@ def replicas_in_sync(model, device):
     return not differ
 
 
-def write_json(path, record):
-    """Write atomically: a reader never sees half a file."""
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2)
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------- main
-def train(device, args):
-    torch.manual_seed(args.seed)
-    dataset = MyTrainDataset(args.samples, seed=args.seed)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        pin_memory=device.type == "cuda")
-    model = torch.nn.Linear(20, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    trainer = Trainer(model, loader, optimizer, device)
-
-    start = time.perf_counter()
-    history = trainer.train(args.epochs)
-    elapsed = time.perf_counter() - start
-    in_sync = replicas_in_sync(trainer.model.module, device)
-    samples = sum(h["samples"] for h in history)
-    summary = {
-        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
-        "epochs": args.epochs, "steps": trainer.steps, "steps_per_epoch": len(loader),
-        "batch_size": args.batch_size, "elapsed_s": elapsed, "samples_per_s": samples / elapsed,
-        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
-        "losses": [h["loss"] for h in history], "replicas_in_sync": in_sync,
-        "resumed_from_epoch": 0,
-    }
-    if dist.get_rank() == 0 and args.metrics:
-        write_json(args.metrics, summary)
-    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) "
-           f"| torch {torch.__version__} | {args.epochs} epochs | loss {summary['first_loss']:.4f} -> "
-           f"{summary['final_loss']:.4f} | {summary['samples_per_s']:.0f} samples/s | "
-           f"replicas {'in sync' if in_sync else 'DIFFER'}")
-    return in_sync
-
-
-def main(rank, args):
-    """One process of the job; `mp.spawn` passes the rank first."""
-    device, health = setup(rank, args.nprocs, rank, args)
     try:
-        in_sync = train(device, args)
-    except RuntimeError as error:
-        if "timed out" not in str(error).lower():
-            raise
-        raise explain_timeout(error, health, args.timeout) from error
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
     finally:
-        cleanup()
-    if not in_sync:
-        sys.exit(1)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
-def run():
-    args = check_args(parse_args())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" in os.environ:
-        check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    else:
-        os.environ["MASTER_PORT"] = str(free_port())
+def save_checkpoint(state, path):
+    """torch.save, atomically. Call on global rank 0 only, then dist.barrier() before anyone reads."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank.
+    """
     try:
-        context = mp.spawn(main, args=(args,), nprocs=args.nprocs, join=False)
-        while not context.join(grace_period=3):  # after a failure, a frozen rank is killed in seconds
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it")
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
             pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
     except mp.ProcessRaisedException as e:
-        # the failing rank's traceback, printed once; spawn has already ended the others
-        say(f"error: a process failed\n{e}", sys.stderr)
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
         sys.exit(1)
     except mp.ProcessExitedException as e:
-        if e.exit_code == 2:
-            sys.exit(2)  # bad input: that process printed its one error line
-        say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+# ---- end of harness ----
 
 
 if __name__ == "__main__":
-    run()
+    args = check_args(parse_args())
+    prepare_rendezvous(args, spawning=True)  # MASTER_ADDR and MASTER_PORT for the children
+    spawn_processes(main, args, args.nprocs)  # mp.spawn: main(rank, args) in each of N processes

@@ -1,32 +1,27 @@
 """The same `Trainer` for a linear model, launched by torchrun, with an elastic snapshot.
 
 Scenario: `nn.Linear(20, 1)` learns a fixed linear map from 2048 noisy samples, one
-process per GPU. torchrun starts the processes and sets RANK, LOCAL_RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT; the script only reads them. Every `--save_every` epochs
-global rank 0 writes a snapshot (model, optimizer, epochs run) atomically; at start every
-rank resumes from it when it exists. So with `--max-restarts` a job whose worker dies is
-restarted by torchrun and continues from the last snapshot instead of from scratch.
+process per GPU, started by torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT. A snapshot every `--save_every` epochs lets a job torchrun restarts continue.
+`DistributedSampler` gives each process its own shard of the data, DDP averages the
+gradients, and every process ends with the same parameters (checked at the end).
+Each process prints the seed's line (`[GPU: 0] Epoch: 0 | Batchsize: 32 | Steps: 32`,
+`CPU` on CPU); rank 0 adds the epoch's loss over all processes.
 
 Launch:
     torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --max_epochs 5 --batch_size 32
-    torchrun --standalone --nproc-per-node=gpu ddp_gpus_torchrun.py          # every GPU
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \\
-        torchrun --nproc-per-node=2 --max-restarts=3 ddp_gpus_torchrun.py    # survive failures (see below)
-    torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 \\
-        --nproc-per-node=8 ddp_gpus_torchrun.py          # on each node, --node-rank=0/1
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=gpu --max-restarts=3 ddp_gpus_torchrun.py
+    torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 --nproc-per-node=8 ddp_gpus_torchrun.py
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --device cpu
-    python ddp_gpus_torchrun.py                          # a one-process world
 
-A snapshot is resumed whenever `--snapshot_path` exists: delete it to start afresh.
-On several nodes the path must be on a file system every node sees.
-With torch 2.14, torchrun reuses its rendezvous store across restarts and restarted gloo
-workers read the dead workers' addresses ("Gloo connectFullMesh failed ... Connection
-refused"); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every restart a fresh store.
+Over the seed this fixes: a loss that can learn (MSE on targets that depend on the
+inputs; the seed's cross-entropy over one output is always zero), `torch.optim.SGD`,
+the same data set on every rank, a free port instead of a hard-coded one, a CPU path,
+and a final check that the replicas agree.
 
-Nearest sibling: ddp_gpus.py (mp.spawn). `diff ddp_gpus.py ddp_gpus_torchrun.py` shows
-the launch (environment instead of spawn arguments) and the snapshot, nothing else.
-The robustness every script shares (errors, ports, timeouts, Ctrl-C, the replica
-check) is in the harness block at the end of the file, the same in every script.
+Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): `diff ddp_gpus.py ddp_gpus_torchrun.py`
+shows the launch and the snapshot, nothing else. The robustness every script shares (errors,
+ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of the file.
 """
 
 # ---------------------------------------------------------------- imports
@@ -54,10 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.1, metavar="LR", help="SGD learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
     p.add_argument("--samples", type=int, default=2048, metavar="N", help="size of the data set")
-    p.add_argument("--save_every", type=int, default=1, metavar="N",
-                   help="write the snapshot every N epochs")
-    p.add_argument("--snapshot_path", "--checkpoint", default="snapshot.pt", metavar="PATH",
-                   help="snapshot file, resumed from when it exists")
+    p.add_argument("--save_every", type=int, default=1, metavar="N", help="snapshot every N epochs")
+    p.add_argument("--snapshot_path", "--checkpoint", default="snapshot.pt", metavar="PATH", help="resumed if it exists")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
@@ -66,34 +61,28 @@ def parse_args(argv=None):
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write a JSON summary of the run here (rank 0)")
-    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
-                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
     return p.parse_args(argv)
 
 
 def check_args(args):
-    """Validate the arguments in every process, before it joins the group."""
-    check_positive(args, "epochs", "batch_size", "lr", "samples", "save_every", "timeout")
-    check_folders(args.snapshot_path, args.metrics)
+    """Bad input is one error line, before any training."""
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "timeout", "save_every")
+    check_folders(args.metrics, args.snapshot_path)
     resolve_device(args)
-    gpus, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-    if args.device == "cuda" and local_rank >= gpus:
-        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
-             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
     return args
 
 
 # ---------------------------------------------------------------- process group
 def setup(args):
-    """Join the process group that torchrun describes in the environment; returns this process's device."""
+    """Join the process group; returns this process's device."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if args.device == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
     else:
         device = torch.device("cpu")
-        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        use_cpu_threads(local_world_size)
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout),
@@ -135,37 +124,28 @@ class Trainer:
         self.tag = f"{device.type.upper().replace('CUDA', 'GPU')}: {dist.get_rank()}"
         self.train_dataloader = train_dataloader
         self.optimizer = optimizer
-        self.save_every = save_every
-        self.snapshot_path = snapshot_path
-        self.epochs_run = 0
         model.to(device)
-        if os.path.exists(snapshot_path):
-            self._load_snapshot(model)
-        self._check_same_start()
+        self.save_every, self.snapshot_path = save_every, snapshot_path
+        self.epochs_run = self._load_snapshot(model)
         self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.steps = 0
 
     def _load_snapshot(self, model):
-        snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model)
-        model.load_state_dict(snapshot["model"])
-        self.optimizer.load_state_dict(snapshot["optimizer"])
-        self.epochs_run = snapshot["epochs_run"]
-
-    def _check_same_start(self):
-        # a rank that could not see the snapshot would train other epochs and hang the job
-        starts = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(dist.get_world_size())]
-        dist.all_gather(starts, torch.tensor([self.epochs_run], device=self.device))
-        if len({int(s) for s in starts}) > 1:
-            raise RuntimeError(f"ranks resume from different epochs {[int(s) for s in starts]}: "
-                               f"put {self.snapshot_path} on a file system every node sees")
-        print0(f"resuming from snapshot {self.snapshot_path} at epoch {self.epochs_run}"
-               if self.epochs_run else "starting from scratch (no snapshot)")
+        epochs_run = 0
+        if os.path.exists(self.snapshot_path):
+            snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model)
+            model.load_state_dict(snapshot["model"])
+            self.optimizer.load_state_dict(snapshot["optimizer"])
+            epochs_run = snapshot["epochs_run"]
+        # a rank that cannot see the snapshot would train other epochs and hang the job
+        check_same_on_every_rank(epochs_run, "snapshot epochs", "put the snapshot where every node sees it")
+        print0(f"resuming from snapshot at epoch {epochs_run}" if epochs_run else "starting from scratch")
+        return epochs_run
 
     def _save_snapshot(self, epochs_run):
-        if dist.get_rank() == 0:
-            snapshot = {"model": self.model.module.state_dict(),
-                        "optimizer": self.optimizer.state_dict(), "epochs_run": epochs_run}
-            save_checkpoint(snapshot, self.snapshot_path)
+        if dist.get_rank() == 0:  # one writer; the weights without DDP's "module." prefix
+            save_checkpoint({"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                             "epochs_run": epochs_run}, self.snapshot_path)
         dist.barrier()  # nobody reads the snapshot before it is complete
 
     def _run_batch(self, xs, ys):
@@ -198,12 +178,10 @@ class Trainer:
             loss, samples = self._run_epoch(epoch)
             seconds = time.perf_counter() - start
             history.append({"loss": loss, "samples": samples, "seconds": seconds})
-            saved = (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs
-            if saved:
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch + 1)
             print0(f"epoch {epoch + 1}/{max_epochs} | loss {loss:.6f} | "
-                   f"{samples / seconds:.0f} samples/s | {seconds:.2f} s"
-                   + (f" | snapshot {self.snapshot_path}" if saved else ""))
+                   f"{samples / seconds:.0f} samples/s | {seconds:.2f} s")
         return history
 
 
@@ -249,9 +227,9 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
 
 
 def main():
-    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    """One process of the job: mp.spawn passes its rank (ddp_gpus.py), or torchrun sets RANK."""
     args = check_args(parse_args())
-    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    prepare_rendezvous(args)  # plain `python`: a world of one
     device = setup(args)
     try:
         with explained_failures(args.timeout, args.snapshot_path):
@@ -350,6 +328,10 @@ def resolve_device(args):
         args.backend = "nccl" if args.device == "cuda" else "gloo"
     if args.backend == "nccl" and args.device != "cuda":
         fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
+        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
+             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
     return args
 
 
@@ -482,6 +464,15 @@ def explained_failures(timeout, checkpoint=None):
         say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
             f"[rank {global_rank()}]", sys.stderr)
         raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
 
 
 def release_ddp():

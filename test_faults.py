@@ -25,14 +25,24 @@ RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 # ---------------------------------------------------------------- helpers
-class Job:
-    """A launched command in its own session; always killed (with its workers) at the end of the test."""
+def default_sigint(group=None):
+    """For a child: SIGINT as in a terminal (a background job of a non-interactive shell starts
+    with it ignored, and so would the scripts), in a new process group or in `group`."""
+    def preexec():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.setpgid(0, group or 0)
+    return preexec
 
-    def __init__(self, cmd, cwd, env=None):
-        self.out_path, self.err_path = cwd / "job.out", cwd / "job.err"
+
+class Job:
+    """A launched command in its own process group; always killed (with its workers) at the end of the test.
+    `group`: join that job's process group instead (two processes of one hand-made launch)."""
+
+    def __init__(self, cmd, cwd, env=None, group=None, name="job"):
+        self.out_path, self.err_path = cwd / f"{name}.out", cwd / f"{name}.err"
         self.proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env or cpu_env(), text=True,
                                      stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"),
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, preexec_fn=default_sigint(group))
 
     @property
     def stdout(self):
@@ -100,8 +110,8 @@ def wait_until(predicate, timeout, what):
 def jobs():
     started = []
 
-    def start(cmd, cwd, env=None):
-        job = Job(cmd, cwd, env)
+    def start(cmd, cwd, env=None, **kwargs):
+        job = Job(cmd, cwd, env, **kwargs)
         started.append(job)
         return job
     yield start
@@ -111,7 +121,11 @@ def jobs():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        kill_group(job.proc)
+        try:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        job.proc.kill()
         job.proc.wait()
 
 
@@ -284,7 +298,7 @@ def test_unreadable_checkpoint_is_one_line(launch, tmp_path, damage):
     _one_error_line(r, "snap.pt")
 
 
-@pytest.mark.parametrize("name", ["ddp_minimal.py", "ddp_gpus.py"])
+@pytest.mark.parametrize("name", ["ddp_gpus.py", "ddp_main.py"])
 def test_master_port_in_use_is_named(launch, tmp_path, name):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -342,3 +356,49 @@ def test_twenty_clean_exits_in_a_row(name, tmp_path):
         work.mkdir()
         r = run_bounded(SOAK[name], work, timeout=120, check=False)
         assert r.returncode == 0 and "terminate called" not in r.stderr, f"launch {i + 1}/20\n{r}"
+
+
+# ---------------------------------------------------------------- 9. Ctrl-C
+# SIGINT to the whole foreground process group, as a terminal sends it: every process of the
+# job ends within seconds with exit code 130 and one `interrupted` line from rank 0, no Python
+# traceback from our processes (torchrun's agent prints its own), nothing left running, and
+# the checkpoint on disk whole. The same epoch-long workload in every launch mode.
+LONG_RUN = ["--device", "cpu", "--max_epochs", "100", "--samples", "32768", "-b", "32"]
+
+
+def _start_interrupt_case(mode, jobs, tmp_path):
+    if mode == "spawn":
+        return [jobs([sys.executable, ROOT / "ddp_gpus.py", *LONG_RUN], tmp_path)]
+    if mode == "torchrun":
+        return [jobs([*TORCHRUN_2, ROOT / "ddp_gpus_torchrun.py", *LONG_RUN], tmp_path)]
+    port, ranks = free_port(), []
+    for rank in (0, 1):  # a hand-made launch: both ranks in one process group, as under one shell
+        env = cpu_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        ranks.append(jobs([sys.executable, ROOT / "ddp_gpus_torchrun.py", *LONG_RUN], tmp_path, env,
+                          group=ranks[0].proc.pid if ranks else None, name=f"rank{rank}"))
+    return ranks
+
+
+@pytest.mark.parametrize("mode", ["spawn", "torchrun", "hand-made"])
+def test_ctrl_c_ends_every_process_cleanly(mode, jobs, tmp_path):
+    launched = _start_interrupt_case(mode, jobs, tmp_path)
+    wait_until(lambda: "epoch 2/100" in launched[0].stdout, 120, "two epochs")
+    processes = [p for job in launched for p in [job.proc.pid, *job.workers()]]
+    start = time.monotonic()
+    os.killpg(launched[0].proc.pid, signal.SIGINT)
+    codes = [job.wait(30) for job in launched]
+    took = time.monotonic() - start
+    out = "".join(job.stdout for job in launched)
+    err = "".join(job.stderr for job in launched)
+    print(f"{mode}: ended {took:.2f} s after SIGINT, exit codes {codes}")
+    assert took < 15, f"{took:.1f} s to end after Ctrl-C (5 s on a quiet machine)\n{launched[0]}"
+    # torchrun's own exit code is torchrun's (its agent raises SignalException); ours are 130
+    assert all(code == 130 for code in codes) if mode != "torchrun" else codes[0] != 0, (codes, err)
+    lines = [line for line in out.splitlines() if line.startswith("interrupted")]
+    assert len(lines) == 1 and "(Ctrl-C)" in lines[0], out
+    assert "ddp_gpus" not in "".join(re.findall(r"Traceback.*?(?=\n\S)", err, flags=re.DOTALL)), err
+    if mode != "spawn":  # the torchrun script keeps a snapshot: whole, and named in the line
+        assert f"checkpoint at epoch" in lines[0] and "snapshot.pt" in lines[0], lines
+        assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["epochs_run"] >= 1
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name], "a temporary checkpoint was left behind"
+    wait_until(lambda: not any(alive(p) for p in processes), 5, "every process of the job to be gone")

@@ -1,0 +1,80 @@
+"""The collection's layout, checked statically (no process is started; these take milliseconds).
+
+Every script reads as the lesson first, then one harness block that is byte-identical in
+every file (issue 10): so a reader learns the block once, and a fix to it is one change
+copied everywhere. ddp_minimal.py is the design note's example and stays minimal.
+"""
+import ast
+import io
+import subprocess
+import tokenize
+
+import pytest
+
+from conftest import ROOT
+
+HARNESS_START = "# =============================================================================\n# ---- harness:"
+HARNESS_END = "# ---- end of harness ----\n"
+NOT_SCENARIOS = {"bench.py", "conftest.py", "ddp_minimal.py"}  # a driver, the tests' fixtures, the minimal example
+SCRIPTS = sorted(p.name for p in ROOT.glob("*.py")
+                 if p.name not in NOT_SCENARIOS and not p.name.startswith("test_"))
+
+
+def harness_of(name):
+    text = (ROOT / name).read_text()
+    assert text.count(HARNESS_START) == 1 and text.count(HARNESS_END) == 1, f"{name}: no single harness block"
+    start = text.index(HARNESS_START)
+    end = text.index(HARNESS_END) + len(HARNESS_END)
+    return text[:start], text[start:end], text[end:]
+
+
+def code_lines(source):
+    """Lines holding code: not blank, not a comment, not a docstring."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node):
+            docstrings.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+    lines = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            lines.update(line for line in range(tok.start[0], tok.end[0] + 1) if line not in docstrings)
+    return lines
+
+
+def test_every_scenario_script_is_checked():
+    assert {"ddp_gpus.py", "ddp_gpus_torchrun.py", "ddp_main.py", "ddp_main_torchrun.py",
+            "ddp_transformer.py", "dp_baseline.py"} <= set(SCRIPTS), SCRIPTS
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_harness_block_is_identical_and_comes_after_the_lesson(name):
+    lesson, block, after = harness_of(name)
+    _, reference, _ = harness_of("ddp_gpus.py")
+    assert block == reference, f"{name}: the harness block differs from ddp_gpus.py's; copy it, do not edit it"
+    assert "def main" in lesson, f"{name}: the lesson (with main) comes before the harness"
+    assert after.strip().startswith('if __name__ == "__main__":'), f"{name}: only the entry point follows the harness"
+
+
+@pytest.mark.parametrize("name", [*SCRIPTS, "ddp_minimal.py", "bench.py"])
+def test_no_function_over_40_lines(name):
+    tree = ast.parse((ROOT / name).read_text())
+    long = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 40]
+    assert not long, f"{name}: functions over 40 lines: {long}"
+
+
+def test_minimal_is_minimal():
+    source = (ROOT / "ddp_minimal.py").read_text()
+    assert len(code_lines(source)) <= 60, len(code_lines(source))
+    for needed in ("init_process_group", "DistributedDataParallel", "destroy_process_group", "all_gather"):
+        assert needed in source
+
+
+@pytest.mark.parametrize("pair,most", [(("ddp_gpus.py", "ddp_gpus_torchrun.py"), 70),
+                                       (("ddp_main.py", "ddp_main_torchrun.py"), 40)])
+def test_sibling_diff_shows_only_the_launch(pair, most):
+    diff = subprocess.run(["diff", *(ROOT / name for name in pair)], capture_output=True, text=True).stdout
+    changed = sum(line.startswith(("<", ">")) for line in diff.splitlines())
+    assert changed <= most, f"diff {' '.join(pair)}: {changed} changed lines (at most {most})\n{diff}"
