@@ -1,33 +1,46 @@
-"""What DDP buys you on this machine: scaling efficiency, DP against DDP, and the thread policy.
+"""What DDP buys you on this machine: per-worker scaling, DP against DDP, the thread policy,
+gradient compression and ZeRO.
 
-Runs the collection's scripts the way users do (mp.spawn scripts with `python`, the
-Transformer with `torchrun`), reads the throughput from their `--metrics` files, and
-reports the median of several runs:
+Runs the collection's scripts the way users do (mp.spawn scripts with `python`, torchrun
+scripts with `torchrun`), reads their `--metrics` files, and reports the median of
+several runs, all taken in one invocation:
 
-- scaling: E(N) = throughput(N processes) / (N x throughput(1 process)) for the MLP
+- scaling: the per-worker efficiency that DDP is judged by,
+      E(N) = throughput(N workers) / (N x throughput(1 worker)),
+  with the same resources per worker: one GPU each, or on a CPU machine one core each
+  (N processes with OMP_NUM_THREADS=1 against 1 process with 1 thread). For the MLP
   (dp_baseline.py --ddp), the MNIST ConvNet (ddp_main.py, synthetic data) and the
-  Transformer (ddp_transformer.py), for N = 1, 2, 4, ... up to the GPU count, or 1 and 2
-  on a CPU machine, where the scripts split the cores evenly between the processes.
-  Every process keeps the same work per step (weak scaling), as with one GPU each.
-- dp_vs_ddp: dp_baseline.py --compare, the same model, data and global batch trained
-  by one process (DataParallel, or the plain module) and by DDP.
-- threads (CPU only): the automatic split against OMP_NUM_THREADS set by hand, e.g. 2
-  threads in each of 2 processes on 2 cores (oversubscribed) or 1 thread in 1 process.
+  Transformer (ddp_transformer.py), at N = 1, 2, 4, ... up to --max_nprocs. Every
+  process keeps the same work per step (weak scaling).
+- machine (CPU only): one process using the whole machine (the automatic thread split:
+  every core) against the N 1-thread processes: what DDP on one CPU box buys over
+  simply giving one process all the cores.
+- threads (CPU only): other thread policies at the largest N, e.g. OMP_NUM_THREADS=cores
+  in every process (oversubscribed).
+- dp_vs_ddp: dp_baseline.py --compare at --max_nprocs: the same model, data and global
+  batch trained by one process (DataParallel over those GPUs, or the plain module) and
+  by DDP.
+- comm_hooks: ddp_comm_hooks.py: bytes per step, step time and loss gap of each DDP
+  communication hook the script runs, side by side in one job.
+- zero: ddp_uneven.py with and without --zero (ZeroRedundancyOptimizer): optimizer
+  state per rank, whatever byte counts its metrics hold.
 
-Every row's efficiency is its throughput / (N x the same benchmark's 1-process figure
-with the automatic thread split), so 1.0 is perfect scaling and, at equal N, a higher
-figure is a faster setting. Warm-up is excluded: the figure is the script's
-steady-state throughput (after the first epoch, or the first step for the
-Transformer). Missing scripts or flags skip their rows with a note; a failed run is
-reported and makes the exit code 1.
+The `efficiency` column is throughput / (workers x the benchmark's 1-worker figure), a
+worker being one GPU, or one CPU core (processes x threads, at most the cores): 1.0 is
+perfect scaling, and a row that uses its cores worse than one 1-thread process is below
+1. Warm-up is excluded where the script makes that possible (its steady figure, its
+epoch lines after the first, or its own figure that already leaves warm-up out).
+A script that is missing or lacks a flag skips its rows with a one-line note; a failed
+run is reported and makes the exit code 1.
 
 Usage:
     bash run.sh bench                   # or: python bench.py
     python bench.py --quick             # one run each of tiny workloads: checks the plumbing, not speed
     python bench.py --repeats 5 --only mlp,convnet
 Writes bench_results.json (a list of rows: benchmark, mode, world_size,
-threads_per_process, throughput, unit, efficiency, plus section, thread_policy, runs)
-in the working directory. Measure on a quiet machine: the load average is printed.
+threads_per_process, throughput, unit, efficiency, plus section, thread_policy, runs and,
+for comm_hooks and zero, figures) in the working directory. Measure on a quiet machine:
+the load average is printed.
 """
 
 # ---------------------------------------------------------------- imports
@@ -64,21 +77,35 @@ def convnet_sizes(n, quick):
 
 
 def transformer_sizes(n, quick):
-    # --max_steps ends the run (at any N: steps are per process), epochs only bound it
-    return {"--max_steps": 5 if quick else 60, "--epochs": 100, "--sample": 0, "--log_every": 0}
+    # --max_steps ends the run at any N (steps are per process)
+    return {"--max_steps": 5 if quick else 60, "--sample": 0, "--log_every": 0}
 
 
-# name: script, launcher, required flags, metrics key, unit, workload per process count
+def short_sizes(n, quick):
+    """The new scenario scripts at their own defaults (seconds on 2 cores); one epoch with --quick."""
+    return {"--epochs": 1} if quick else {}
+
+
+# name: script, launcher, required flags, kind of metrics, the figure's key and unit, workload per N.
+# kind: throughput (one run), compare (two runs under "compare"), hooks (one run per hook under
+# "hooks"), figures (one run whose byte counts are read too). steady: the key already leaves
+# warm-up out. per_step: the key is seconds per step (the figure is steps/s).
 BENCHMARKS = {
-    "mlp": dict(script="dp_baseline.py", launcher="spawn", required=["--ddp"],
+    "mlp": dict(script="dp_baseline.py", launcher="spawn", required=["--ddp"], kind="throughput",
                 key="samples_per_s", unit="samples/s", sizes=mlp_sizes),
     "convnet": dict(script="ddp_main.py", launcher="spawn", required=["--dataset", "synthetic"],
-                    key="samples_per_s", unit="samples/s", sizes=convnet_sizes),
-    "transformer": dict(script="ddp_transformer.py", launcher="torchrun", required=[],
-                        key="tokens_per_s", unit="tokens/s", sizes=transformer_sizes),
+                    kind="throughput", key="samples_per_s", unit="samples/s", sizes=convnet_sizes),
+    "transformer": dict(script="ddp_transformer.py", launcher="torchrun", required=[], kind="throughput",
+                        key="tokens_per_s", unit="tokens/s", sizes=transformer_sizes, steady=True),
 }
-COMPARE = dict(script="dp_baseline.py", launcher="python", required=["--compare"],
+COMPARE = dict(script="dp_baseline.py", launcher="spawn", required=["--compare"], kind="compare",
                key="samples_per_s", unit="samples/s", sizes=mlp_sizes)
+HOOKS = dict(script="ddp_comm_hooks.py", launcher="torchrun", required=[], kind="hooks",
+             key="step_time_s", unit="steps/s", sizes=short_sizes, per_step=True, figures=r".")
+ZERO = dict(script="ddp_uneven.py", launcher="torchrun", required=["--zero"], kind="figures",
+            key="samples_per_s", unit="samples/s", sizes=short_sizes, figures=r"bytes|memory|final_loss")
+ZERO_OFF = dict(ZERO, required=[])
+EXTRAS = ("dp_vs_ddp", "comm_hooks", "zero")  # --only names besides BENCHMARKS
 EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.*?\| ([\d.]+) samples/s \|", re.MULTILINE)
 
 
@@ -91,14 +118,15 @@ def parse_args(argv=None):
                         "(tests), measures nothing")
     p.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="runs per setting; the figure is their median (default: 3, 1 with --quick)")
-    p.add_argument("--only", default=",".join([*BENCHMARKS, "dp_vs_ddp"]), metavar="NAMES",
+    p.add_argument("--only", default=",".join([*BENCHMARKS, *EXTRAS]), metavar="NAMES",
                    help="comma-separated subset of: %(default)s (default: all)")
     p.add_argument("--no-threads", dest="threads", action="store_false",
                    help="skip the thread-policy rows (CPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto (default): the GPUs when there are any, else CPU")
     p.add_argument("--max_nprocs", type=int, default=None, metavar="N",
-                   help="largest process count (default: the GPU count, 2 on CPU)")
+                   help="largest process count, for every section (default: the GPU count; on CPU 2, "
+                        "at most the cores: one core per process)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="limit for each launch; it is killed with all its processes after that "
                         "(default: 600, 300 with --quick)")
@@ -120,17 +148,17 @@ def check_args(args):
     if not args.timeout > 0:
         fail(f"--timeout must be positive, got {args.timeout}", "pass e.g. --timeout 600")
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(args.only) - {*BENCHMARKS, "dp_vs_ddp"})
+    unknown = sorted(set(args.only) - {*BENCHMARKS, *EXTRAS})
     if unknown:
-        fail(f"unknown benchmark(s) {', '.join(unknown)}", f"pick from {', '.join([*BENCHMARKS, 'dp_vs_ddp'])}")
+        fail(f"unknown benchmark(s) {', '.join(unknown)}", f"pick from {', '.join([*BENCHMARKS, *EXTRAS])}")
     gpus = torch.cuda.device_count()
     if args.device == "auto":
         args.device = "cuda" if gpus > 0 else "cpu"
     if args.device == "cuda" and gpus == 0:
         fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-    limit = gpus if args.device == "cuda" else 2
-    args.max_nprocs = args.max_nprocs or limit
-    if not 1 <= args.max_nprocs <= (gpus if args.device == "cuda" else os.cpu_count() or 1):
+    limit = gpus if args.device == "cuda" else cores()  # one GPU, or one core, per worker
+    args.max_nprocs = args.max_nprocs or (gpus if args.device == "cuda" else min(2, limit))
+    if not 1 <= args.max_nprocs <= limit:
         fail(f"--max_nprocs {args.max_nprocs} does not fit this machine", f"pass 1 to {limit}")
     return args
 
@@ -149,14 +177,21 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def launch_env(device, omp_threads):
-    """A clean environment: no rendezvous left over from a caller, the thread policy under test."""
+def first_gpus(n):
+    """CUDA_VISIBLE_DEVICES naming the first n GPUs this process may use (an inherited list indexed, not replaced)."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = inherited.split(",") if inherited else [str(i) for i in range(torch.cuda.device_count())]
+    return ",".join(ids[:n])
+
+
+def launch_env(device, omp_threads, n):
+    """A clean environment: no rendezvous left over from a caller, the thread policy under test,
+    and on GPUs exactly the n GPUs the launch is filed under (DataParallel takes every GPU it sees)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT"):
         env.pop(name, None)
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["CUDA_VISIBLE_DEVICES"] = first_gpus(n) if device == "cuda" else ""
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     return env
@@ -194,7 +229,7 @@ def script_flags(script, timeout):
     if not path.exists():
         return None, f"{script} not found"
     with tempfile.TemporaryDirectory() as tmp:
-        code, out, err = run_bounded([sys.executable, str(path), "--help"], tmp, launch_env("cpu", None), timeout)
+        code, out, err = run_bounded([sys.executable, str(path), "--help"], tmp, launch_env("cpu", None, 0), timeout)
     if code != 0:
         last = (err.strip().splitlines() or ["no output"])[-1]
         return None, f"{script} --help failed (exit {code}: {last})"
@@ -215,28 +250,37 @@ def command(spec, flags, device, n, quick):
     base = [str(HERE / spec["script"]), *spec["required"], "--device", device, *extra]
     if spec["launcher"] == "torchrun":
         return [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", *base], None
-    return [sys.executable, *base, *(["--nprocs", str(n)] if spec["launcher"] == "spawn" else [])], None
+    return [sys.executable, *base, "--nprocs", str(n)], None
 
 
-def steady_throughput(record, stdout, key):
-    """Throughput without warm-up: the script's steady figure, else its epoch lines after the first."""
+def throughput_of(spec, record, stdout):
+    """A run's throughput without warm-up, and how it was found: the script's steady figure,
+    else its epoch lines after the first, else its figure for the whole run."""
+    key = spec["key"]
+    value = record.get(key)
+    if not isinstance(value, (int, float)) or value <= 0:
+        return None, "none"
+    if spec.get("per_step"):
+        return 1 / value, f"1 / {key}"
     if isinstance(record.get(f"steady_{key}"), (int, float)):
         return record[f"steady_{key}"], "steady"
+    if spec.get("steady"):
+        return value, "steady"
     epochs = [(int(e), float(rate)) for e, rate in EPOCH_LINE.findall(stdout)]
     rates = [rate for e, rate in epochs if e > 1]
     if key == "samples_per_s" and rates and min(rates) > 0:
         return len(rates) / sum(1 / r for r in rates), "epoch lines"  # equal epochs: the harmonic mean
-    return record.get(key), "whole run"
+    return value, "whole run"
 
 
 # ---------------------------------------------------------------- the plan
 class Setting:
-    """One row to measure: a benchmark at N processes under a thread policy."""
+    """One launch to measure: a benchmark at N processes under a thread policy."""
 
     def __init__(self, section, name, spec, n, omp_threads, mode="ddp"):
         self.section, self.name, self.spec, self.n, self.omp = section, name, spec, n, omp_threads
         self.mode = mode
-        self.parts, self.failures, self.how = {}, [], set()  # parts: mode -> world, threads, runs
+        self.parts, self.failures, self.how = {}, [], set()  # parts: mode -> world, threads, runs, figures
 
     @property
     def policy(self):
@@ -250,19 +294,37 @@ def process_counts(max_n):
     return counts + [max_n] if max_n > 1 else counts
 
 
+def benchmark_settings(name, spec, args):
+    """The scaling rows of one benchmark and, on CPU, its whole-machine and thread-policy rows."""
+    full = name == "mlp" or not args.quick  # --quick: the MLP covers the sections, the rest run once
+    counts = process_counts(args.max_nprocs) if full else [args.max_nprocs]
+    if args.device != "cpu":
+        return [Setting("scaling", name, spec, n, None) for n in counts]
+    # one core per worker: N processes with 1 thread each, against 1 process with 1 thread
+    settings = [Setting("scaling", name, spec, n, 1) for n in counts]
+    if full:
+        settings.append(Setting("machine", name, spec, 1, None))  # 1 process, every core (automatic split)
+    if full and args.threads:
+        n, auto = args.max_nprocs, max(1, cores() // args.max_nprocs)
+        if auto > 1 and spec["launcher"] != "torchrun":  # torchrun sets 1 thread per worker itself
+            settings.append(Setting("threads", name, spec, n, None))
+        if n > 1:
+            settings.append(Setting("threads", name, spec, n, cores()))  # oversubscribed
+    return settings
+
+
 def plan(args):
-    """The settings to measure, in the order of the table."""
+    """The launches to measure, in the order of the table."""
     settings = []
     for name in (b for b in BENCHMARKS if b in args.only):
-        spec, full = BENCHMARKS[name], name == "mlp" or not args.quick  # --quick: the MLP covers the rest
-        counts = process_counts(args.max_nprocs) if full else [args.max_nprocs]
-        settings += [Setting("scaling", name, spec, n, None) for n in counts]
-        if args.threads and args.device == "cpu" and full:
-            for n in sorted({1, args.max_nprocs}):
-                auto = max(1, cores() // n)
-                settings += [Setting("threads", name, spec, n, t) for t in sorted({1, cores()} - {auto})]
+        settings += benchmark_settings(name, BENCHMARKS[name], args)
+    n = args.max_nprocs
     if "dp_vs_ddp" in args.only:
-        settings.append(Setting("dp_vs_ddp", "mlp", COMPARE, args.max_nprocs, None, mode="compare"))
+        settings.append(Setting("dp_vs_ddp", "mlp", COMPARE, n, None))
+    if "comm_hooks" in args.only:
+        settings.append(Setting("comm_hooks", "comm_hooks", HOOKS, n, None))
+    if "zero" in args.only:
+        settings += [Setting("zero", "zero", ZERO_OFF, n, None, "ddp"), Setting("zero", "zero", ZERO, n, None, "zero")]
     return settings
 
 
@@ -278,12 +340,12 @@ def expected_threads(setting, device):
 
 
 def measure(setting, args, flags):
-    """One launch of a setting; appends its figure (or the reason it has none)."""
+    """One launch of a setting; returns (metrics record, stdout), or None after filing why not."""
     spec = setting.spec
     with tempfile.TemporaryDirectory() as tmp:  # the launch's cwd: its checkpoints go with it
         metrics = os.path.join(tmp, "metrics.json")
         cmd = command(spec, flags, args.device, setting.n, args.quick)[0] + ["--metrics", metrics]
-        code, out, err = run_bounded(cmd, tmp, launch_env(args.device, setting.omp), args.timeout)
+        code, out, err = run_bounded(cmd, tmp, launch_env(args.device, setting.omp, setting.n), args.timeout)
         if code != 0:
             last = (err.strip().splitlines() or ["no output"])[-1]
             setting.failures.append(f"{spec['script']}: " + (f"timed out after {args.timeout:.0f} s"
@@ -298,82 +360,153 @@ def measure(setting, args, flags):
     return record, out
 
 
+def launch_parts(setting, record):
+    """A launch's runs as (mode, record, processes): one, two for --compare (one process, then
+    DDP; DataParallel's processes are its GPUs), or one per comm hook."""
+    kind, world = setting.spec["kind"], record.get("world_size", setting.n)
+    if kind == "compare":
+        return [(p["mode"], p, p["dp_devices"] if p["mode"] == "dp" else p["world_size"])
+                for p in record.get("compare", [])]
+    if kind == "hooks":
+        return [(name, values, world) for name, values in (record.get("hooks") or {}).items()
+                if isinstance(values, dict)]
+    return [(setting.mode, record, world)]
+
+
 def file_run(setting, record, out, device):
-    """File one launch's figures; a --compare launch holds two runs (one process, then DDP)."""
-    parts = record["compare"] if setting.mode == "compare" else [record]
-    for part in parts:
-        mode = part.get("mode", "ddp")
-        figure, how = steady_throughput(part, out if len(parts) == 1 else "", setting.spec["key"])
-        if not isinstance(figure, (int, float)) or figure <= 0:
-            setting.failures.append(f"{setting.spec['script']} wrote no positive {setting.spec['key']}")
+    """File one launch's figures under each of its runs."""
+    spec = setting.spec
+    parts = launch_parts(setting, record)
+    pattern = re.compile(spec["figures"]) if "figures" in spec else None  # the keys read besides the throughput
+    for mode, part, world in parts:
+        figure, how = throughput_of(spec, part, out if len(parts) == 1 else "")
+        figures = {k: v for k, v in part.items() if pattern and pattern.search(k)
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if figure is None and not figures:
+            setting.failures.append(f"{spec['script']} wrote no positive {spec['key']}")
             return
         entry = setting.parts.setdefault(mode, {
-            "world": part["dp_devices"] if mode == "dp" else part["world_size"],
-            "threads": part.get("threads_per_process", expected_threads(setting, device)), "runs": []})
-        entry["runs"].append(figure)
-        setting.how.add(how)
+            "world": world, "threads": part.get("threads_per_process", expected_threads(setting, device)),
+            "runs": [], "figures": {}})
+        if figure is not None:
+            entry["runs"].append(figure)
+            setting.how.add(how)
+        for key, value in figures.items():
+            entry["figures"].setdefault(key, []).append(value)
+    if not parts:
+        setting.failures.append(f"{spec['script']} wrote no runs to its metrics")
 
 
 # ---------------------------------------------------------------- results
-def rows_from(settings):
-    """Median figures, then every row's efficiency against its benchmark's 1-process row."""
-    rows = [row(s, mode, p["world"], p["threads"], p["runs"]) for s in settings for mode, p in s.parts.items()]
+def workers(row, device):
+    """What the row's run used: GPUs, or on CPU the cores its threads can occupy."""
+    if device != "cpu" or row["threads_per_process"] is None:
+        return row["world_size"]
+    return min(row["world_size"] * row["threads_per_process"], cores())
+
+
+def rows_from(settings, device):
+    """Median figures, then every row's per-worker efficiency against its benchmark's 1-worker row."""
+    rows = [row(s, mode, p) for s in settings for mode, p in s.parts.items()]
     reference = {r["benchmark"]: r["throughput"] for r in rows
                  if r["section"] == "scaling" and r["world_size"] == 1}
     for r in rows:
         ref = reference.get(r["benchmark"])
-        r["efficiency"] = r["throughput"] / (r["world_size"] * ref) if ref else None
+        if ref and r["throughput"]:
+            r["efficiency"] = r["throughput"] / (workers(r, device) * ref)
     return rows
 
 
-def row(setting, mode, world, threads, figures):
-    return {"benchmark": setting.name, "mode": mode, "world_size": world, "threads_per_process": threads,
-            "throughput": statistics.median(figures), "unit": setting.spec["unit"], "efficiency": None,
-            "section": setting.section, "thread_policy": setting.policy, "runs": figures}
+def row(setting, mode, part):
+    runs = part["runs"]
+    record = {"benchmark": setting.name, "mode": mode, "world_size": part["world"],
+              "threads_per_process": part["threads"], "throughput": statistics.median(runs) if runs else None,
+              "unit": setting.spec["unit"], "efficiency": None, "section": setting.section,
+              "thread_policy": setting.policy, "runs": runs}
+    if part["figures"]:
+        record["figures"] = {k: statistics.median(v) for k, v in part["figures"].items()}
+    return record
+
+
+def number(x):
+    """Throughputs as whole numbers; small ones (steps/s) with three digits."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def print_table(rows, notes, args, load_before):
     print(f"\nbench: {datetime.datetime.now().isoformat(timespec='minutes')} | {platform.node()} | "
           f"{cores()} cores | torch {torch.__version__} | {args.device} | median of {args.repeats} "
           f"| load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
-    head = f"{'section':10} {'benchmark':12} {'mode':6} {'N':>3} {'threads':>8} {'policy':18} " \
-           f"{'throughput':>12} {'unit':10} {'E(N)':>6}  runs"
+    head = f"{'section':10} {'benchmark':12} {'mode':16} {'N':>3} {'threads':>8} {'policy':18} " \
+           f"{'throughput':>12} {'unit':10} {'eff.':>6}  runs"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
         threads = r["threads_per_process"] if r["threads_per_process"] is not None else "-"
-        print(f"{r['section']:10} {r['benchmark']:12} {r['mode']:6} {r['world_size']:>3} {threads:>8} "
-              f"{r['thread_policy']:18} {r['throughput']:>12.0f} {r['unit']:10} {eff:>6}  "
-              f"{' '.join(f'{x:.0f}' for x in r['runs'])}")
-    for line in dict.fromkeys(summary_lines(rows) + notes):  # each note once
-        print(line)
+        figure = number(r["throughput"]) if r["throughput"] is not None else "-"
+        print(f"{r['section']:10} {r['benchmark']:12} {r['mode']:16} {r['world_size']:>3} {threads:>8} "
+              f"{r['thread_policy']:18} {figure:>12} {r['unit']:10} {eff:>6}  "
+              f"{' '.join(number(x) for x in r['runs'])}")
+    for line in dict.fromkeys(summary_lines(rows, args.device) + notes):  # each note once
+        print(line, flush=True)
 
 
-def summary_lines(rows):
-    """The answers the table holds: E(N), auto against the best manual split, DDP against DP."""
-    lines = []
-    by = {(r["section"], r["benchmark"], r["world_size"], r["thread_policy"]): r for r in rows}
+def largest_scaling(rows):
+    """{benchmark: its scaling row at the largest N}."""
+    top = {}
     for r in rows:
-        if r["section"] == "scaling" and r["world_size"] > 1 and r["efficiency"] is not None:
-            one_thread = by.get(("threads", r["benchmark"], 1, f"OMP_NUM_THREADS={r['threads_per_process']}"))
-            per_core = (f"; against 1 process with the same {r['threads_per_process']} thread(s): "
-                        f"{r['throughput'] / (r['world_size'] * one_thread['throughput']):.2f}" if one_thread else "")
-            lines.append(f"{r['benchmark']}: E({r['world_size']}) = {r['efficiency']:.2f} against 1 process "
-                         f"with the automatic thread count{per_core}")
-    for r in rows:
-        if r["section"] == "scaling" and r["thread_policy"] == "auto":
-            manual = [m for (sec, b, n, pol), m in by.items() if sec == "threads" and b == r["benchmark"]
-                      and n == r["world_size"]]
-            if manual:
-                best = max(manual, key=lambda m: m["throughput"])
-                lines.append(f"{r['benchmark']}, {r['world_size']} process(es): automatic split "
-                             f"({r['threads_per_process']} thread(s)) at {r['throughput'] / best['throughput']:.0%} "
-                             f"of the best manual setting ({best['thread_policy']})")
-    pair = [r for r in rows if r["section"] == "dp_vs_ddp"]
+        if r["section"] == "scaling" and r["world_size"] >= top.get(r["benchmark"], r)["world_size"]:
+            top[r["benchmark"]] = r
+    return top
+
+
+def scaling_lines(rows, device):
+    """E(N) of each benchmark and, on CPU, its N 1-thread processes against one process on every core."""
+    worker = "one GPU each" if device != "cpu" else "1 thread each against 1 process with 1 thread"
+    lines = [f"{r['benchmark']}: E({r['world_size']}) = {r['efficiency']:.2f} ({r['world_size']} processes, {worker})"
+             for r in rows if r["section"] == "scaling" and r["world_size"] > 1 and r["efficiency"] is not None]
+    top = largest_scaling(rows)
+    for m in (r for r in rows if r["section"] == "machine"):
+        r = top.get(m["benchmark"])
+        if r and r["world_size"] > 1 and m["throughput"]:
+            lines.append(f"{m['benchmark']}: {r['world_size']} processes x 1 thread = "
+                         f"{r['throughput'] / m['throughput']:.2f}x one process using the whole machine "
+                         f"({m['threads_per_process']} threads, at {m['efficiency'] or 0:.2f} of the 1-thread "
+                         f"figure per core)")
+    for t in (r for r in rows if r["section"] == "threads"):
+        r = top.get(t["benchmark"])
+        if r and r["world_size"] == t["world_size"] and t["throughput"]:
+            lines.append(f"{t['benchmark']}, {t['world_size']} processes: {t['thread_policy']} "
+                         f"({t['threads_per_process']} threads each) at {t['throughput'] / r['throughput']:.0%} "
+                         f"of 1 thread each")
+    return lines
+
+
+def figure_text(key, value, base):
+    """`bytes_per_step 1,234 (0.50x)`: a figure, and for bytes and times its ratio to the baseline run."""
+    text = f"{key} {value:,}" if isinstance(value, int) else f"{key} {value:.4g}"
+    if base is not None and ("bytes" in key or "time" in key) and base.get(key):
+        text += f" ({value / base[key]:.2f}x)"
+    return text
+
+
+def summary_lines(rows, device):
+    """The answers the table holds: E(N), the whole machine, thread policies, DDP against DP,
+    and each comm hook's and ZeRO's figures against the plain run of the same launch."""
+    lines = scaling_lines(rows, device)
+    pair = [r for r in rows if r["section"] == "dp_vs_ddp" and r["throughput"]]
     if len(pair) == 2:
         lines.append(f"dp_vs_ddp: {pair[1]['mode']} ({pair[1]['world_size']}) / {pair[0]['mode']} "
                      f"({pair[0]['world_size']}) = {pair[1]['throughput'] / pair[0]['throughput']:.2f}x "
                      f"at the same global batch")
+    for section, baselines in (("comm_hooks", ("allreduce", "none")), ("zero", ("ddp",))):
+        found = [r for r in rows if r["section"] == section and r.get("figures")]
+        base = next((r for r in found if r["mode"] in baselines), None)
+        for r in found:
+            ratio_to = None if r is base or base is None else base["figures"]
+            lines.append(f"{section} {r['mode']} (N={r['world_size']}): " + ", ".join(
+                figure_text(k, v, ratio_to) for k, v in r["figures"].items())
+                + (f" | ratios against {base['mode']}" if ratio_to else ""))
     return lines
 
 
@@ -429,7 +562,7 @@ def main():
     notes += [f"note: {s.name} N={s.n}: {s.spec['key']} as {s.spec['script']} reports it (it writes no "
               f"steady_{s.spec['key']} and prints no epoch lines): warm-up may be included"
               for s in runnable if "whole run" in s.how]
-    rows = rows_from(runnable)
+    rows = rows_from(runnable, args.device)
     print_table(rows, notes + failures, args, load_before)
     write_json(args.out, rows)
     print(f"wrote {len(rows)} rows to {os.path.abspath(args.out)}", flush=True)

@@ -92,15 +92,87 @@ def test_bench_quick_writes_well_formed_results(launch, tmp_path):
         assert math.isfinite(row["throughput"]) and row["throughput"] > 0, row
         assert row["throughput"] == sorted(row["runs"])[len(row["runs"]) // 2]  # one run: its figure
         assert row["efficiency"] is None or row["efficiency"] > 0
-    shapes = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]) for r in rows}
-    assert {("scaling", "mlp", "ddp", 1, "auto"), ("scaling", "mlp", "ddp", 2, "auto"),
-            ("threads", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"), ("threads", "mlp", "ddp", 2, "OMP_NUM_THREADS=2"),
-            ("dp_vs_ddp", "mlp", "plain", 1, "auto"), ("dp_vs_ddp", "mlp", "ddp", 2, "auto")} <= shapes
-    for r in rows:
-        if r["section"] == "scaling" and r["world_size"] == 1:
-            assert r["efficiency"] == 1.0
+    by = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]): r for r in rows}
+    assert {("scaling", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"), ("scaling", "mlp", "ddp", 2, "OMP_NUM_THREADS=1"),
+            ("machine", "mlp", "ddp", 1, "auto"), ("threads", "mlp", "ddp", 2, "OMP_NUM_THREADS=2"),
+            ("dp_vs_ddp", "mlp", "plain", 1, "auto"), ("dp_vs_ddp", "mlp", "ddp", 2, "auto")} <= by.keys()
     assert {r["benchmark"] for r in rows} == {"mlp"}, "--only picks the benchmarks"
-    assert "E(2) = " in out.stdout
+    # E(N) is per worker: N 1-thread processes against the 1 process x 1 thread row
+    one, two = by["scaling", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"], by["scaling", "mlp", "ddp", 2, "OMP_NUM_THREADS=1"]
+    assert (one["threads_per_process"], two["threads_per_process"], one["efficiency"]) == (1, 1, 1.0)
+    assert two["efficiency"] == pytest.approx(two["throughput"] / (2 * one["throughput"]))
+    assert f"mlp: E(2) = {two['efficiency']:.2f} (2 processes, 1 thread each" in out.stdout
+    machine = by["machine", "mlp", "ddp", 1, "auto"]
+    assert machine["threads_per_process"] == len(os.sched_getaffinity(0))  # one process, every core
+    assert f"mlp: 2 processes x 1 thread = {two['throughput'] / machine['throughput']:.2f}x one process " \
+           f"using the whole machine" in out.stdout
+
+
+def import_bench():
+    sys.path.insert(0, str(ROOT))
+    import bench
+    return bench
+
+
+def test_bench_efficiency_is_per_worker_against_one_process_with_one_thread():
+    """The table's arithmetic on made-up figures: no launch, no timing."""
+    bench = import_bench()
+    spec = bench.BENCHMARKS["transformer"]
+    settings = [bench.Setting("scaling", "transformer", spec, 1, 1), bench.Setting("scaling", "transformer", spec, 2, 1),
+                bench.Setting("machine", "transformer", spec, 1, None)]
+    for s, runs, threads in zip(settings, ([100, 90, 300], [180, 170, 190], [150, 150, 150]), (1, 1, 2)):
+        for figure in runs:
+            bench.file_run(s, {"tokens_per_s": figure, "world_size": s.n, "threads_per_process": threads}, "", "cpu")
+    rows = bench.rows_from(settings, "cpu")
+    assert [r["throughput"] for r in rows] == [100, 180, 150]  # medians of 3
+    assert [r["efficiency"] for r in rows] == pytest.approx([1.0, 0.9, 0.75])  # 150 / (2 cores x 100)
+    lines = bench.summary_lines(rows, "cpu")
+    assert "transformer: E(2) = 0.90 (2 processes, 1 thread each against 1 process with 1 thread)" in lines
+    assert any(line.startswith("transformer: 2 processes x 1 thread = 1.20x one process using the whole machine")
+               for line in lines)
+
+
+def test_bench_reads_comm_hook_and_zero_figures_and_skips_missing_scripts(monkeypatch):
+    bench = import_bench()
+    hooks = bench.Setting("comm_hooks", "comm_hooks", bench.HOOKS, 2, None)
+    bench.file_run(hooks, {"world_size": 2, "hooks": {
+        "allreduce": {"bytes_per_step": 4000, "step_time_s": 0.02, "final_loss": 1.0, "loss_gap": 0.0, "losses": [2, 1]},
+        "fp16": {"bytes_per_step": 2000, "step_time_s": 0.01, "final_loss": 1.01, "loss_gap": 0.01}}}, "", "cpu")
+    zero = bench.Setting("zero", "zero", bench.ZERO, 2, None, "zero")
+    bench.file_run(zero, {"world_size": 2, "samples_per_s": 50.0, "optimizer_state_bytes_per_rank": 512}, "", "cpu")
+    rows = bench.rows_from([hooks, zero], "cpu")
+    assert [(r["mode"], r["throughput"]) for r in rows] == [("allreduce", 50.0), ("fp16", 100.0), ("zero", 50.0)]
+    assert rows[1]["figures"] == {"bytes_per_step": 2000, "step_time_s": 0.01, "final_loss": 1.01, "loss_gap": 0.01}
+    lines = bench.summary_lines(rows, "cpu")
+    assert any(line.startswith("comm_hooks fp16 (N=2): bytes_per_step 2,000 (0.50x), step_time_s 0.01 (0.50x)")
+               for line in lines), lines
+    assert "zero zero (N=2): optimizer_state_bytes_per_rank 512" in lines
+    notes = []
+    missing = bench.Setting("zero", "zero", dict(bench.ZERO, script="ddp_nonesuch.py"), 2, None)
+    assert bench.runnable_settings([missing], bench.check_args(bench.parse_args([])), notes)[0] == []
+    assert notes == ["skipped ddp_nonesuch.py: ddp_nonesuch.py not found"]
+
+
+def test_bench_dp_vs_ddp_keeps_to_max_nprocs(monkeypatch):
+    """The comparison starts --max_nprocs DDP processes and, on GPUs, lets DataParallel see only that many."""
+    bench = import_bench()
+    cmd = bench.command(bench.COMPARE, {"--device", "--metrics", "--compare", "--nprocs"}, "cuda", 3, True)[0]
+    assert cmd[-2:] == ["--nprocs", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert bench.launch_env("cuda", None, 3)["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+    assert bench.launch_env("cpu", 1, 3)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_dp_baseline_indexes_with_one_tensor_per_epoch():
+    """The step indexes the data with slices of one index tensor made per epoch, in the sampler's order."""
+    sys.path.insert(0, str(ROOT))
+    import dp_baseline
+    import torch
+    sampler = torch.utils.data.DistributedSampler(range(10), num_replicas=2, rank=1, shuffle=True, seed=3)
+    batches = dp_baseline.epoch_batches(sampler, 4, 2, torch.device("cpu"))
+    assert all(b.dtype == torch.long and b.device.type == "cpu" for b in batches)
+    sampler.set_epoch(4)
+    assert torch.cat(batches).tolist() == list(sampler) and [len(b) for b in batches] == [2, 2, 1]
 
 
 def descendants(pid):
