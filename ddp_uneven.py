@@ -1,0 +1,750 @@
+"""Uneven inputs: ranks that hold different numbers of batches, trained to the end with Join.
+
+Scenario: an MLP (4 hidden layers of `--width` units, Adam) learns a 10-class problem
+from 2048 samples that are split into contiguous shards of unequal size, one per rank,
+as when every rank reads its own file: no padding sampler, no sample dropped or repeated.
+With `--imbalance 0.5` the last rank's shard is half the size of rank 0's (rank 0: 43
+batches, rank 1: 22 at 2 processes). Plain DDP cannot train this: at batch 23 rank 0 waits
+in DDP's gradient all-reduce for a rank that has no batch 23 (`--no-join` shows it: the job
+ends after `--timeout` with one error line; on NCCL the watchdog aborts it instead).
+`torch.distributed.algorithms.Join` lets the ranks that ran out shadow the others'
+collectives until every rank is done, so each epoch trains on every sample exactly once
+(counted and all-reduced) and the replicas stay identical.
+
+Join alone is not the whole answer for an optimizer with state: a rank that has joined
+all-reduces zeros and drops the result, so it never sees the averaged gradient of the
+steps it sits out. `HandOver` (below) passes it that gradient and steps the optimizer there
+too; `--bare-join` leaves it out, as the PyTorch Join tutorial does, and the losses drift
+(measured in the README). `--zero` shards Adam's state with ZeroRedundancyOptimizer,
+which is Joinable itself: each rank keeps about 1/world-size of the state, the training
+is the same to the last bit, and its checkpoint is consolidated on rank 0.
+
+Launch:
+    torchrun --standalone --nproc-per-node=gpu ddp_uneven.py                 # every GPU
+    torchrun --standalone --nproc-per-node=2 ddp_uneven.py --zero --checkpoint ck.pt
+    torchrun --standalone --nproc-per-node=2 ddp_uneven.py --zero --checkpoint ck.pt --resume -e 5
+    torchrun --standalone --nproc-per-node=2 ddp_uneven.py --no-join --timeout 10   # the hang, ended
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_uneven.py --device cpu
+    python ddp_uneven.py                                 # a one-process world (nothing uneven)
+
+Nearest sibling: ddp_gpus_torchrun.py (the same launch, a DistributedSampler that gives
+every rank the same number of batches). This file adds the unequal shards, Join and what
+it does to gradients, and ZeroRedundancyOptimizer with its checkpoint. The robustness
+every script shares (errors, ports, timeouts, Ctrl-C, the replica check, checkpoint
+files) is in the harness block at the end of the file, the same in every script.
+"""
+
+# ---------------------------------------------------------------- imports
+import argparse
+import contextlib
+import itertools
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+FEATURES, CLASSES, HIDDEN_LAYERS = 32, 10, 4
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=3, metavar="N", help="epochs to train")
+    p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
+                   help="samples per step, per process")
+    p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data, the shuffles and the initial weights")
+    p.add_argument("--samples", type=int, default=2048, metavar="N", help="size of the data set (all shards)")
+    p.add_argument("--imbalance", type=float, default=0.5, metavar="F",
+                   help="rank r's shard is (1 - F * r / (world size - 1)) times rank 0's: 0 is even")
+    p.add_argument("--width", type=int, default=256, metavar="N", help="units per hidden layer")
+    join = p.add_mutually_exclusive_group()
+    join.add_argument("--no-join", dest="join", action="store_const", const="none", default="handover",
+                      help="plain DDP: the job waits at the first batch a rank lacks, until --timeout")
+    join.add_argument("--bare-join", dest="join", action="store_const", const="bare",
+                      help="Join without the gradient hand-over: ranks that ran out step on stale gradients")
+    p.add_argument("--zero", action="store_true", help="shard Adam's state with ZeroRedundancyOptimizer")
+    p.add_argument("--checkpoint", default=None, metavar="PATH", help="write a checkpoint here every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when available, else CPU")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: nccl on CUDA, gloo on CPU")
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing")
+    p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Validate the arguments in every process, before it joins the group."""
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "width", "timeout")
+    check_folders(args.checkpoint, args.metrics)
+    resolve_device(args)
+    if not 0 <= args.imbalance < 1:
+        fail(f"--imbalance must be at least 0 and below 1, got {args.imbalance:g}",
+             "0 gives every rank the same shard, 0.5 the last rank half of rank 0's")
+    if args.resume and not (args.checkpoint and os.path.exists(args.checkpoint)):
+        fail(f"--resume but no checkpoint at {args.checkpoint}", "pass the --checkpoint PATH an earlier run wrote")
+    return args
+
+
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group that torchrun describes in the environment; returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
+    else:
+        device = torch.device("cpu")
+        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
+
+
+def cleanup():
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- data: one unequal shard per rank
+def make_dataset(size, seed):
+    """Points whose class is the largest of 10 fixed random projections: learnable, and the
+    same on every rank (built from a seed), so a shard's indices mean the same everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, FEATURES, generator=g)
+    return TensorDataset(x, (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(dim=1))
+
+
+def shard_bounds(size, world_size, imbalance):
+    """Where each rank's shard starts: rank r's is (1 - imbalance * r / (W - 1)) times rank 0's.
+    Rounded cumulative cuts, so the shards cover the data set exactly, with no padding."""
+    weights = [1 - imbalance * r / max(1, world_size - 1) for r in range(world_size)]
+    return [round(size * cut / sum(weights)) for cut in itertools.accumulate(weights, initial=0)]
+
+
+class ShardSampler(Sampler):
+    """This rank's contiguous shard [start, stop), in a new order every epoch (set_epoch)."""
+
+    def __init__(self, start, stop, seed):
+        self.start, self.stop, self.seed, self.epoch = start, stop, seed, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.stop - self.start
+
+    def __iter__(self):
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return iter((order + self.start).tolist())
+
+
+def make_loader(dataset, device, args):
+    bounds = shard_bounds(len(dataset), dist.get_world_size(), args.imbalance)
+    rank = dist.get_rank()
+    sampler = ShardSampler(bounds[rank], bounds[rank + 1], args.seed)
+    # drop_last=False: the short last batch is trained too (see the loss in train_epoch)
+    return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+
+
+# ---------------------------------------------------------------- model and optimizer
+def make_model(width):
+    layers = [nn.Linear(FEATURES, width), nn.ReLU()]
+    for _ in range(HIDDEN_LAYERS):  # layers of equal size: ZeRO's shards come out about equal
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, CLASSES))
+
+
+def build(device, args):
+    """The DDP model, its optimizer and the epoch to start at (from --checkpoint with --resume)."""
+    torch.manual_seed(args.seed)
+    module = make_model(args.width).to(device)
+    state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module) if args.resume else None
+    if state:
+        module.load_state_dict(state["model"])
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.zero:  # each rank keeps Adam's state for its shard of the parameters only
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=args.lr)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if state:  # ZeRO too takes the whole (consolidated) state on every rank and keeps its shard
+        optimizer.load_state_dict(state["optimizer"])
+    return model, optimizer, state["epoch"] if state else 0
+
+
+# ---------------------------------------------------------------- Join, and what it does to gradients
+class HandOver(Joinable):
+    """Join's missing half: a rank that ran out of batches gets the averaged gradient too.
+
+    Under Join a rank that has joined answers each all-reduce of the others with zeros: it
+    contributes nothing, and the sum is still divided by the initial world size. That is
+    the choice here (it is divide_by_initial_world_size=True, which a registered comm hook
+    makes itself): every sample weighs 1 / (world size x batch size) in its step, whether or
+    not the other ranks still have data; with False the tail's fewer samples would take
+    full-sized steps. But Join drops the result on the joined rank, whose .grad keeps its own
+    last gradient: ZeroRedundancyOptimizer's join hook steps its shard with that stale
+    gradient, and a plain optimizer does not step at all (its state falls behind; Join only
+    re-broadcasts the weights at the end). This comm hook keeps the result as .grad on a
+    joined rank, and the join hook below steps a plain optimizer with it.
+    """
+
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.model, self.optimizer, self.joined = model, optimizer, False
+        model.register_comm_hook(self, HandOver.allreduce)
+
+    @staticmethod
+    def allreduce(self, bucket):
+        future = default_hooks.allreduce_hook(None, bucket)  # DDP's own: sum, divided by the world size
+        if not self.joined:
+            return future
+
+        def keep_as_grad(future):
+            for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                param.grad = grad
+            return future.value()
+        return future.then(keep_as_grad)
+
+    def join_hook(self, **kwargs):
+        return StepWhenJoined(self)
+
+    @property
+    def join_device(self):
+        return self.model.join_device
+
+    @property
+    def join_process_group(self):
+        return self.model.join_process_group
+
+
+class StepWhenJoined(JoinHook):
+    def __init__(self, handover):
+        self.handover = handover
+
+    def main_hook(self):  # runs after DDP's: the averaged gradient is in .grad by now
+        if not isinstance(self.handover.optimizer, Joinable):  # ZeRO steps in its own join hook
+            self.handover.optimizer.step()
+
+    def post_hook(self, is_last_joiner):
+        self.handover.joined = False  # every rank is done: the next epoch starts unjoined
+
+
+# ---------------------------------------------------------------- train
+def train_epoch(model, optimizer, loader, handover, device, args):
+    """One pass over this rank's shard, under Join; returns [loss sum, samples, batches] of this rank."""
+    joinables = [] if args.join == "none" else [model] + ([handover] if handover else []) + \
+        ([optimizer] if args.zero else [])
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    with Join(joinables) if joinables else contextlib.nullcontext():
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = F.cross_entropy(model(x), y, reduction="sum")
+            # / the full batch size, not len(x): a sample of a short last batch weighs no more
+            # than any other, as a rank's samples do after the others have joined
+            (loss_sum / args.batch_size).backward()
+            optimizer.step()
+            totals += torch.stack([loss_sum.detach().double(), totals.new_tensor(len(y)), totals.new_tensor(1)])
+        if handover:
+            handover.joined = True  # out of batches: from here Join shadows the others' steps
+    return totals
+
+
+def gather(tensor):
+    every = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, tensor)
+    return torch.stack(every)
+
+
+def explain_hang(batches, epoch, args):
+    """--no-join: both sides wait, the ranks with batches in DDP's all-reduce, the others at the
+    epoch's end; after --timeout the first to give up closes the connections and the others
+    fail with it. Every rank knows the shard sizes, so rank 0 alone says what happened."""
+    short = min(batches)
+    waiting = ", ".join(str(r) for r, b in enumerate(batches) if b > short)
+    missing = ", ".join(str(r) for r, b in enumerate(batches) if b == short)
+    fail(f"after --timeout {args.timeout:g} s rank {waiting} was still waiting in DDP's all-reduce of batch "
+         f"{short + 1} (epoch {epoch + 1}) for rank {missing}, which had only {short} batches",
+         "uneven inputs need Join: run without --no-join")
+
+
+def train(model, optimizer, loader, start_epoch, device, args):
+    """The epochs; returns one record per epoch: global loss, samples per rank, seconds."""
+    handover = HandOver(model, optimizer) if args.join == "handover" else None
+    shards = gather(torch.tensor([len(loader), len(loader.sampler)], device=device)).tolist()
+    batches = [b for b, _ in shards]
+    print0(f"uneven shards (--imbalance {args.imbalance:g}): " + ", ".join(
+        f"rank {r} {s} samples in {b} batches" for r, (b, s) in enumerate(shards))
+        + f" | {'Join + gradient hand-over' if args.join == 'handover' else 'Join alone' if args.join == 'bare' else 'no Join'}"
+        + f" | {'ZeRO ' if args.zero else ''}Adam")
+    history = []
+    for epoch in range(start_epoch, args.epochs):
+        loader.sampler.set_epoch(epoch)  # a new order within each shard, the same on a rerun
+        start = time.perf_counter()
+        try:
+            every = gather(train_epoch(model, optimizer, loader, handover, device, args))
+        except RuntimeError:  # gloo: "Timed out ..." or, once the other side gave up, "Connection closed"
+            if args.join != "none" or len(set(batches)) == 1:
+                raise
+            explain_hang(batches, epoch, args)
+        seconds = time.perf_counter() - start
+        # the global mean over real samples: [sum, count] from every rank, never rank 0's own
+        record = {"loss": (every[:, 0].sum() / every[:, 1].sum()).item(), "seconds": seconds,
+                  "samples": [int(s) for s in every[:, 1]]}
+        history.append(record)
+        saved = save(model, optimizer, epoch + 1, args)
+        print0(f"epoch {epoch + 1}/{args.epochs} | loss {record['loss']:.6f} | samples "
+               f"{' + '.join(map(str, record['samples']))} = {sum(record['samples'])} of {len(loader.dataset)} | "
+               f"{int(every[:, 2].max())} steps | {sum(record['samples']) / seconds:.0f} samples/s | {seconds:.2f} s"
+               + (f" | checkpoint {args.checkpoint}" if saved else ""))
+    return history, batches
+
+
+def save(model, optimizer, epoch, args):
+    """Rank 0 writes model and optimizer state; True when a checkpoint was written."""
+    if not args.checkpoint:
+        return False
+    if args.zero:  # a collective: every rank sends its shard's state to rank 0
+        optimizer.consolidate_state_dict(to=0)
+    if dist.get_rank() == 0:
+        save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch}, args.checkpoint)
+    dist.barrier()  # nobody reads the checkpoint before it is complete
+    return True
+
+
+# ---------------------------------------------------------------- report
+def optimizer_state_bytes(optimizer, device):
+    """Bytes of optimizer state tensors on each rank (gathered); with ZeRO only the local shard's."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    mine = sum(t.numel() * t.element_size() for state in local.state.values() for t in state.values()
+               if torch.is_tensor(t))
+    return gather(torch.tensor([mine], device=device)).view(-1).tolist()
+
+
+def report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+    losses = [h["loss"] for h in history] or [float("nan")]
+    trained = [sum(h["samples"]) for h in history]
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
+        "epochs": args.epochs, "steps": sum(batches[dist.get_rank()] for _ in history),
+        "steps_per_epoch": max(batches), "batch_size": args.batch_size, "elapsed_s": elapsed,
+        "samples_per_s": sum(trained) / elapsed if elapsed else 0.0, "first_loss": losses[0],
+        "final_loss": losses[-1], "losses": losses, "replicas_in_sync": checks["in_sync"],
+        "resumed_from_epoch": resumed_from, "join": args.join, "zero": args.zero, "imbalance": args.imbalance,
+        "batches_per_rank": batches, "samples_per_rank": history[-1]["samples"] if history else [],
+        "samples_trained": trained, "dataset_size": args.samples, "every_sample_once": checks["once"],
+        "optimizer_state_bytes_per_rank": state_bytes,
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) | "
+           f"torch {torch.__version__} | join {args.join}{' + ZeRO' if args.zero else ''} | {args.epochs} epochs | "
+           f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | every sample once: {'yes' if checks['once'] else 'NO'} | "
+           f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
+
+
+# ---------------------------------------------------------------- main
+def run(device, args):
+    dataset = make_dataset(args.samples, args.seed)
+    loader = make_loader(dataset, device, args)
+    model, optimizer, resumed_from = build(device, args)
+    start = time.perf_counter()
+    history, batches = train(model, optimizer, loader, resumed_from, device, args)
+    elapsed = time.perf_counter() - start
+    state_bytes = optimizer_state_bytes(optimizer, device)
+    print0(f"optimizer state per rank: {' + '.join(f'{b:,}' for b in state_bytes)} bytes "
+           f"({'ZeRO: each rank its shard' if args.zero else 'every rank all of it'})")
+    checks = {"once": all(n == len(dataset) for n in (sum(h["samples"]) for h in history)),
+              "in_sync": replicas_in_sync(model.module, device)}
+    report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args)
+    return checks["once"] and checks["in_sync"]
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, args.checkpoint):
+            ok = run(device, args)
+    finally:
+        cleanup()
+    if not ok:
+        sys.exit(1)  # a sample trained twice or never, or replicas that differ
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its GPU, its file system) is said by this process.
+    """
+    rank = global_rank()
+    if rank == 0 or every_rank:
+        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
+    if args.backend == "auto":
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
+        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
+             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    return args
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
+        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
+        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Ctrl-C and timeouts of one process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the cleanup runs to its end; a process whose SIGINT was ignored when it started
+    (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"checkpoint at {unit} {state[key]} kept in {path}"
+    return f"checkpoint kept in {path}"
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the two ways a job ends early into one line each.
+
+    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
+    via a second gloo group: after a timeout the main group's connections are closed, this
+    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
+    prepare_rendezvous.) Ctrl-C ends the process with exit code 130 and, on rank 0, the
+    line `interrupted (...)`; a checkpoint is never half-written (save_checkpoint is atomic).
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            deadline = threading.Timer(4, os._exit, (130,))  # the cleanup gets 4 s, then we leave
+            deadline.daemon = True
+            deadline.start()
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            raise SystemExit(130) from None
+        if health is None or "timed out" not in str(error).lower():
+            raise
+        try:
+            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
+                                   wait_all_ranks=True)
+            who = "every rank answered afterwards"
+        except RuntimeError as e:
+            who = str(e).strip().splitlines()[0]
+        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+            f"[rank {global_rank()}]", sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
+    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically. Call on global rank 0 only, then dist.barrier() before anyone reads."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it")
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+# ---- end of harness ----
+
+
+if __name__ == "__main__":
+    main()
