@@ -1,0 +1,735 @@
+"""Gradient compression with DDP communication hooks: what each hook sends, costs and loses.
+
+Scenario: one MLP (about 600k parameters, most of them in three square-ish weight
+matrices) is trained several times over, side by side in one job: every copy starts from
+the same weights and sees the same batches, and each one runs under its own DDP
+communication hook (`model.register_comm_hook(state, hook)`), which DDP calls with each
+bucket of gradients once the bucket is full:
+
+    allreduce         DDP's default: the fp32 bucket all-reduced (`allreduce_hook`, which torch
+                      documents as the same as no hook; registered here so its bytes are counted)
+    fp16              `fp16_compress_hook`: the bucket cast to float16, all-reduced, cast back
+    bf16              `bf16_compress_hook`: the same in bfloat16 (fp32's range, fewer digits)
+    powersgd          `powerSGD_hook`: each weight matrix M (n x m) travels as two rank-R factors,
+                      P = M Q (n x R) and then Q = M^T P (m x R), biases uncompressed; error
+                      feedback carries what the approximation dropped into the next step; the
+                      first --powersgd_warmup steps are plain all-reduces
+    batched_powersgd  `batched_powerSGD_hook`: the whole bucket as one square matrix (see below)
+
+Each hook is wrapped so that it counts the bytes it hands to all-reduce, bucket by
+bucket. The copies take turns step by step, so a busy machine slows them all alike.
+At the end one table: bytes per step per rank (the warm-up counted apart), median step
+time, final training loss and its gap to the allreduce run. A ring all-reduce moves
+about 2(N-1)/N times these bytes over each rank's link.
+
+Launch:
+    torchrun --standalone --nproc-per-node=gpu ddp_comm_hooks.py
+    torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --hooks fp16,powersgd --powersgd_rank 1
+    torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 \\
+        --nproc-per-node=8 ddp_comm_hooks.py               # on each node, --node-rank=0/1
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --device cpu
+    python ddp_comm_hooks.py                                # a one-process world
+
+What runs where (torch 2.14.1): allreduce, fp16, powersgd everywhere; bf16 on gloo
+(it all-reduces bfloat16 on CPU) and on NCCL >= 2.10 with a GPU that has bfloat16.
+batched_powerSGD_hook does not run in any configuration: it views the bucket as one
+square matrix and passes its 2-D P and Q to `_orthogonalize`, which since the batched
+rewrite of PowerSGD (pytorch#75157) accepts only a batch of matrices (3-D) and raises a
+bare AssertionError at the first step after the warm-up. No bucket size, tensor shape or
+rank avoids it (the hook always builds 2-D factors); a warm-up longer than the run does,
+by never compressing. The script tries `_orthogonalize` on a 2-D matrix and leaves the
+hook out where that fails, so a torch that fixes it runs it. powerSGD_hook compresses
+layer by layer and stacks factors into 3-D batches itself, so it works.
+
+Nearest sibling: ddp_gpus_torchrun.py (the same torchrun launch and loop shape); this
+file adds the hooks and their measurement. The robustness every script shares is in the
+harness block at the end of the file, the same in every script.
+"""
+
+# ---------------------------------------------------------------- imports
+import argparse
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "batched_powersgd")
+CLASSES = 10
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=2, metavar="N", help="epochs to train")
+    p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
+                   help="samples per step, per process (the global batch is N x world size)")
+    p.add_argument("--lr", type=float, default=0.2, metavar="LR", help="SGD learning rate (momentum 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
+    p.add_argument("--samples", type=int, default=1536, metavar="N", help="size of the data set")
+    p.add_argument("--features", type=int, default=128, metavar="N", help="inputs of the MLP")
+    p.add_argument("--hidden", type=int, default=512, metavar="N", help="width of the MLP's three hidden layers")
+    p.add_argument("--hooks", default=None, metavar="A,B",
+                   help=f"comm hooks to compare, from {','.join(HOOK_NAMES)}; allreduce (the baseline) "
+                        "always runs (default: every hook that works here)")
+    p.add_argument("--bucket_cap_mb", type=float, default=None, metavar="MB",
+                   help="DDP's bucket size (default: on gloo the whole model in one bucket, see the docstring; "
+                        "on NCCL DDP's own 25 MB)")
+    p.add_argument("--powersgd_rank", type=int, default=4, metavar="R", help="rank R of PowerSGD's factors")
+    p.add_argument("--powersgd_warmup", type=int, default=8, metavar="STEPS",
+                   help="steps of plain all-reduce before PowerSGD compresses (at least 2)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA when available, else CPU")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: nccl on CUDA, gloo on CPU")
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing")
+    p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Validate the arguments in every process, before it joins the group."""
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "features", "hidden", "bucket_cap_mb",
+                   "powersgd_rank", "timeout")
+    check_folders(args.metrics)
+    resolve_device(args)
+    args.hooks = choose_hooks(args.hooks, unavailable_hooks(args))
+    steps = args.epochs * steps_per_epoch(args.samples, int(os.environ.get("WORLD_SIZE", 1)), args.batch_size)
+    if any("powersgd" in name for name in args.hooks) and not 2 <= args.powersgd_warmup < steps:
+        fail(f"--powersgd_warmup {args.powersgd_warmup} must be at least 2 and below the run's {steps} steps",
+             "DDP rebuilds its buckets after step 1, which PowerSGD's memory cannot follow; "
+             "a warm-up as long as the run compresses nothing")
+    choose_buckets(args)
+    return args
+
+
+def choose_hooks(asked, unavailable):
+    """--hooks as a list with the allreduce baseline first; every name known and able to run here."""
+    names = asked.split(",") if asked else [name for name in HOOK_NAMES if name not in unavailable]
+    for name in names:
+        if name not in HOOK_NAMES:
+            fail(f"unknown hook {name!r} in --hooks", f"choose from {','.join(HOOK_NAMES)}")
+        if name in unavailable:
+            fail(f"the {name} hook cannot run here: {unavailable[name]}", f"leave {name} out of --hooks")
+    return ["allreduce"] + [name for name in dict.fromkeys(names) if name != "allreduce"]
+
+
+def unavailable_hooks(args):
+    """{hook: why it cannot run on this machine, with this torch}."""
+    why = {}
+    if args.backend == "nccl" and not (torch.cuda.is_bf16_supported() and torch.cuda.nccl.version() >= (2, 10)):
+        why["bf16"] = "NCCL all-reduces bfloat16 from version 2.10 on, on GPUs that have bfloat16"
+    if importlib.util.find_spec("numpy") is None:
+        why["powersgd"] = "torch's PowerSGDState draws its random projections with numpy, which is not installed"
+        why["batched_powersgd"] = why["powersgd"]
+    elif orthogonalize_takes_only_batches():
+        why["batched_powersgd"] = (f"in torch {torch.__version__} it passes 2-D matrices to _orthogonalize, which takes "
+                                   "only 3-D batches (AssertionError at the first compressed step); powersgd works")
+    return why
+
+
+def orthogonalize_takes_only_batches():
+    """True where batched_powerSGD_hook fails: the helper it calls on its 2-D P and Q
+    accepts only batches of matrices since pytorch#75157, and raises a bare AssertionError."""
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+    except AssertionError:
+        return True
+    return False
+
+
+def choose_buckets(args):
+    """On gloo, the whole model in one bucket: PowerSGD issues its P and Q all-reduces from callbacks
+    that run on gloo's threads when the previous all-reduce completes, while the autograd thread may
+    already be calling the hook for the next bucket. With two buckets the ranks can issue their
+    collectives in different orders: a size-mismatch abort (SIGABRT) or a hang. NCCL completes its
+    futures as soon as the work is queued, so the callbacks run in order; DDP's buckets stay there."""
+    model_mb = 4 * sum(p.numel() for p in MLP(args.features, args.hidden).parameters()) / 2**20
+    if args.bucket_cap_mb is None and args.backend == "gloo":
+        args.bucket_cap_mb = math.ceil(model_mb)
+    elif args.backend == "gloo" and args.bucket_cap_mb < model_mb and any("powersgd" in h for h in args.hooks):
+        fail(f"--bucket_cap_mb {args.bucket_cap_mb:g} splits the {model_mb:.1f} MB of gradients into several buckets, "
+             "and PowerSGD on gloo then issues collectives in a different order on each rank",
+             f"leave --bucket_cap_mb out, or give at least {math.ceil(model_mb)}")
+
+
+def steps_per_epoch(samples, world_size, batch_size):
+    """Optimizer steps per epoch: DistributedSampler pads to ceil(samples / world) per rank."""
+    return math.ceil(math.ceil(samples / world_size) / batch_size)
+
+
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group that torchrun describes in the environment; returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
+    else:
+        device = torch.device("cpu")
+        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
+
+
+def cleanup():
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- data
+def make_dataset(samples, features, seed):
+    """Gaussian inputs labelled by a fixed random linear teacher: learnable, and the same on every
+    rank (seeded), so the indices the sampler hands out mean the same thing everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    y = (x @ torch.randn(features, CLASSES, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+# ---------------------------------------------------------------- model
+class MLP(nn.Sequential):
+    """features -> hidden x3 -> classes, with ReLUs. Nearly all parameters sit in weight
+    matrices, which PowerSGD compresses; the biases it sends as they are."""
+
+    def __init__(self, features=128, hidden=512, classes=CLASSES):
+        widths = [features, hidden, hidden, hidden]
+        layers = []
+        for inputs, outputs in zip(widths, widths[1:]):
+            layers += [nn.Linear(inputs, outputs), nn.ReLU()]
+        super().__init__(*layers, nn.Linear(hidden, classes))
+
+
+# ---------------------------------------------------------------- communication hooks
+def make_hook(name, args):
+    """(state, hook, dtype it all-reduces in: None for the gradients' own) for the hook `name`."""
+    if "powersgd" in name:
+        # one state per model: its step count, P and Q reused across steps, the error feedback
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=args.powersgd_warmup)
+        hook = powerSGD_hook.powerSGD_hook if name == "powersgd" else powerSGD_hook.batched_powerSGD_hook
+        return state, hook, None
+    if name == "fp16":
+        return None, default_hooks.fp16_compress_hook, torch.float16
+    if name == "bf16":
+        return None, default_hooks.bf16_compress_hook, torch.bfloat16
+    return None, default_hooks.allreduce_hook, None  # state None: the whole world
+
+
+def counting(hook, wire_dtype, sent):
+    """`hook`, plus a tally: appends to sent[-1] the bytes the hook hands to all-reduce for each bucket.
+
+    The plain and cast hooks send the whole bucket, in their dtype. PowerSGD after its warm-up
+    sends the uncompressed tensors, then P, then Q; its state adds exactly those element counts
+    to total_numel_after_compression, so the growth across the call is what it sent.
+    """
+    def counting_hook(state, bucket):
+        buffer = bucket.buffer()
+        elements, itemsize = buffer.numel(), (wire_dtype or buffer.dtype).itemsize
+        compressing = isinstance(state, powerSGD_hook.PowerSGDState) and state.iter >= state.start_powerSGD_iter
+        before = state.total_numel_after_compression if compressing else 0
+        future = hook(state, bucket)
+        if compressing:
+            elements = state.total_numel_after_compression - before
+        sent[-1].append(elements * itemsize)
+        return future
+    return counting_hook
+
+
+# ---------------------------------------------------------------- training
+class Run:
+    """One copy of the model under one comm hook, and what it measured: bytes and seconds per step."""
+
+    def __init__(self, name, initial, device, args):
+        self.name = name
+        model = MLP(args.features, args.hidden).to(device)
+        model.load_state_dict(initial)  # every copy starts from the same weights
+        self.model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                         bucket_cap_mb=args.bucket_cap_mb)
+        state, hook, wire_dtype = make_hook(name, args)
+        self.sent, self.seconds = [], []  # per step: bytes of each bucket, and seconds
+        self.model.register_comm_hook(state, counting(hook, wire_dtype, self.sent))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
+
+    def step(self, xs, ys):
+        self.sent.append([])
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(xs), ys)
+        loss.backward()  # DDP hands each full bucket of gradients to the hook, which all-reduces it
+        self.optimizer.step()
+        if xs.is_cuda:
+            torch.cuda.synchronize(xs.device)  # the clock waits for the GPU's work
+        self.seconds.append(time.perf_counter() - start)
+        self.totals += torch.stack([loss.detach().double() * len(xs), torch.tensor(len(xs), device=xs.device)])
+
+
+def train(runs, loader, device, epochs):
+    """Every copy takes every step, in turns; returns each copy's global mean loss per epoch."""
+    curves = [[] for _ in runs]
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for i, (xs, ys) in enumerate(loader):
+            xs, ys = xs.to(device, non_blocking=True), ys.to(device, non_blocking=True)
+            for k in range(len(runs)):  # a different copy goes first each step: none always meets a cold cache
+                runs[(i + k) % len(runs)].step(xs, ys)
+        totals = torch.stack([run.totals for run in runs])
+        dist.all_reduce(totals)  # global mean losses, every copy's in one collective
+        for run, curve, (loss_sum, samples) in zip(runs, curves, totals.tolist()):
+            curve.append(loss_sum / samples)
+            run.totals.zero_()
+        print0(f"epoch {epoch + 1}/{epochs} | loss " + " ".join(f"{r.name} {c[-1]:.4f}" for r, c in zip(runs, curves))
+               + f" | {time.perf_counter() - start:.2f} s")
+    return curves
+
+
+# ---------------------------------------------------------------- main
+def compare_hooks(device, args):
+    torch.manual_seed(args.seed)
+    dataset = make_dataset(args.samples, args.features, args.seed)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # each rank its own 1/N
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    initial = MLP(args.features, args.hidden).state_dict()
+    runs = [Run(name, initial, device, args) for name in args.hooks]
+    print0(f"{len(runs)} copies of an MLP with {sum(t.numel() for t in initial.values()):,} parameters, "
+           f"{len(loader)} steps per epoch, hooks: {', '.join(args.hooks)}")
+    start = time.perf_counter()
+    curves = train(runs, loader, device, args.epochs)
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(nn.ModuleList(run.model.module for run in runs), device)
+    report(summarize(runs, curves, args), elapsed, loader, in_sync, device, args)
+    return in_sync
+
+
+def summarize(runs, curves, args):
+    """Per hook: bytes per step per rank (warm-up apart), median step time, loss and gap to allreduce."""
+    compressed = any("powersgd" in run.name for run in runs)
+    steady = args.powersgd_warmup if compressed else 1  # timed from the same step for all: after any warm-up
+    base_bytes, base_loss = sum(runs[0].sent[-1]), curves[0][-1]
+    hooks = {}
+    for run, curve in zip(runs, curves):
+        per_step = [sum(buckets) for buckets in run.sent]
+        hooks[run.name] = {
+            "bytes_per_step": per_step[-1], "compression": base_bytes / per_step[-1],
+            "buckets_per_step": len(run.sent[-1]), "bucket_bytes": run.sent[-1],
+            "warmup_steps": args.powersgd_warmup if "powersgd" in run.name else 0,
+            "warmup_bytes_per_step": per_step[0], "total_bytes": sum(per_step),
+            "step_time_s": statistics.median(run.seconds[steady:]), "timed_steps": len(run.seconds[steady:]),
+            "first_loss": curve[0], "final_loss": curve[-1], "loss_gap": curve[-1] - base_loss, "losses": curve,
+        }
+    return hooks
+
+
+def report(hooks, elapsed, loader, in_sync, device, args):
+    """Rank 0 prints the table and the `done:` line and writes the metrics (--metrics)."""
+    print0(f"{'hook':<17}{'bytes/step/rank':>16}{'vs allreduce':>14}{'step (median)':>15}{'final loss':>12}{'gap':>9}")
+    for name, h in hooks.items():
+        print0(f"{name:<17}{h['bytes_per_step']:>16,}{h['compression']:>13.1f}x{h['step_time_s'] * 1e3:>12.1f} ms"
+               f"{h['final_loss']:>12.4f}{h['loss_gap']:>+9.4f}")
+        if h["warmup_steps"]:
+            print0(f"{'':<17}(first {h['warmup_steps']} steps: {h['warmup_bytes_per_step']:,} bytes, plain all-reduce)")
+    base, samples = hooks["allreduce"], len(loader.sampler) * dist.get_world_size()  # padded: as trained
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": device.type, "torch": torch.__version__, "epochs": args.epochs,
+        "steps": args.epochs * len(loader), "steps_per_epoch": len(loader), "batch_size": args.batch_size,
+        "elapsed_s": elapsed, "samples_per_s": len(hooks) * args.epochs * samples / elapsed,
+        "first_loss": base["first_loss"], "final_loss": base["final_loss"], "losses": base["losses"],
+        "replicas_in_sync": in_sync, "resumed_from_epoch": 0, "bucket_cap_mb": args.bucket_cap_mb,
+        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup, "hooks": hooks,
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    smallest = min(hooks, key=lambda name: hooks[name]["bytes_per_step"])
+    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) | torch "
+           f"{torch.__version__} | {args.epochs} epochs x {len(hooks)} hooks | allreduce loss {base['first_loss']:.4f} "
+           f"-> {base['final_loss']:.4f} | {smallest} {hooks[smallest]['compression']:.1f}x fewer bytes, gap "
+           f"{hooks[smallest]['loss_gap']:+.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout):
+            in_sync = compare_hooks(device, args)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its GPU, its file system) is said by this process.
+    """
+    rank = global_rank()
+    if rank == 0 or every_rank:
+        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
+    if args.backend == "auto":
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.backend == "nccl" and args.device != "cuda":
+        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
+        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
+             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    return args
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT). First the flight recorder dumps each rank's last collectives to
+        # /tmp/nccl_trace_rank_<rank>; `torchfrtrace /tmp -p nccl_trace_rank_` names the rank
+        # that never arrived.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Ctrl-C and timeouts of one process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the cleanup runs to its end; a process whose SIGINT was ignored when it started
+    (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"checkpoint at {unit} {state[key]} kept in {path}"
+    return f"checkpoint kept in {path}"
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the two ways a job ends early into one line each.
+
+    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
+    via a second gloo group: after a timeout the main group's connections are closed, this
+    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
+    prepare_rendezvous.) Ctrl-C ends the process with exit code 130 and, on rank 0, the
+    line `interrupted (...)`; a checkpoint is never half-written (save_checkpoint is atomic).
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            deadline = threading.Timer(4, os._exit, (130,))  # the cleanup gets 4 s, then we leave
+            deadline.daemon = True
+            deadline.start()
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            raise SystemExit(130) from None
+        if health is None or "timed out" not in str(error).lower():
+            raise
+        try:
+            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
+                                   wait_all_ranks=True)
+            who = "every rank answered afterwards"
+        except RuntimeError as e:
+            who = str(e).strip().splitlines()[0]
+        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+            f"[rank {global_rank()}]", sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
+    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically. Call on global rank 0 only, then dist.barrier() before anyone reads."""
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh")
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh")
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it")
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+# ---- end of harness ----
+
+
+if __name__ == "__main__":
+    main()
