@@ -77,8 +77,10 @@ def convnet_sizes(n, quick):
 
 
 def transformer_sizes(n, quick):
-    # --max_steps ends the run at any N (steps are per process)
-    return {"--max_steps": 5 if quick else 60, "--sample": 0, "--log_every": 0}
+    # the same steps per process at any N, within one epoch: the script times its checkpoint writes,
+    # one per epoch, so a run crossing more epochs at larger N would bias E(N) down; this way every
+    # run writes one (at its end). On the default text an epoch is 106 / N steps
+    return {"--max_steps": 5 if quick else 50, "--epochs": 1, "--sample": 0, "--log_every": 0}
 
 
 def short_sizes(n, quick):
@@ -101,7 +103,7 @@ BENCHMARKS = {
 COMPARE = dict(script="dp_baseline.py", launcher="spawn", required=["--compare"], kind="compare",
                key="samples_per_s", unit="samples/s", sizes=mlp_sizes)
 HOOKS = dict(script="ddp_comm_hooks.py", launcher="torchrun", required=[], kind="hooks",
-             key="step_time_s", unit="steps/s", sizes=short_sizes, per_step=True, figures=r".")
+             key="step_time_s", unit="steps/s", sizes=short_sizes, per_step=True, figures=r"bytes_per_step|time_s|loss")
 ZERO = dict(script="ddp_uneven.py", launcher="torchrun", required=["--zero"], kind="figures",
             key="samples_per_s", unit="samples/s", sizes=short_sizes, figures=r"bytes|memory|final_loss")
 ZERO_OFF = dict(ZERO, required=[])
@@ -373,6 +375,19 @@ def launch_parts(setting, record):
     return [(setting.mode, record, world)]
 
 
+def read_figures(record, pattern):
+    """The numbers under the keys that match `pattern`; a `..._per_rank` list counts as its largest
+    entry (the rank that needs the most)."""
+    figures = {}
+    for key, value in record.items():
+        if key.endswith("_per_rank") and isinstance(value, list) and value \
+                and all(isinstance(v, (int, float)) for v in value):
+            value = max(value)
+        if pattern.search(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            figures[key] = value
+    return figures
+
+
 def file_run(setting, record, out, device):
     """File one launch's figures under each of its runs."""
     spec = setting.spec
@@ -380,8 +395,7 @@ def file_run(setting, record, out, device):
     pattern = re.compile(spec["figures"]) if "figures" in spec else None  # the keys read besides the throughput
     for mode, part, world in parts:
         figure, how = throughput_of(spec, part, out if len(parts) == 1 else "")
-        figures = {k: v for k, v in part.items() if pattern and pattern.search(k)
-                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        figures = read_figures(part, pattern) if pattern else {}
         if figure is None and not figures:
             setting.failures.append(f"{spec['script']} wrote no positive {spec['key']}")
             return
@@ -483,10 +497,11 @@ def scaling_lines(rows, device):
 
 
 def figure_text(key, value, base):
-    """`bytes_per_step 1,234 (0.50x)`: a figure, and for bytes and times its ratio to the baseline run."""
+    """`bytes_per_step 1,234 (0.50x allreduce)`: a figure, and for bytes and times its ratio to the
+    baseline run's."""
     text = f"{key} {value:,}" if isinstance(value, int) else f"{key} {value:.4g}"
-    if base is not None and ("bytes" in key or "time" in key) and base.get(key):
-        text += f" ({value / base[key]:.2f}x)"
+    if base is not None and ("bytes" in key or key.endswith("time_s")) and base["figures"].get(key):
+        text += f" ({value / base['figures'][key]:.2f}x {base['mode']})"
     return text
 
 
@@ -503,10 +518,8 @@ def summary_lines(rows, device):
         found = [r for r in rows if r["section"] == section and r.get("figures")]
         base = next((r for r in found if r["mode"] in baselines), None)
         for r in found:
-            ratio_to = None if r is base or base is None else base["figures"]
             lines.append(f"{section} {r['mode']} (N={r['world_size']}): " + ", ".join(
-                figure_text(k, v, ratio_to) for k, v in r["figures"].items())
-                + (f" | ratios against {base['mode']}" if ratio_to else ""))
+                figure_text(k, v, None if r is base else base) for k, v in r["figures"].items()))
     return lines
 
 

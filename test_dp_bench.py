@@ -139,14 +139,18 @@ def test_bench_reads_comm_hook_and_zero_figures_and_skips_missing_scripts(monkey
         "allreduce": {"bytes_per_step": 4000, "step_time_s": 0.02, "final_loss": 1.0, "loss_gap": 0.0, "losses": [2, 1]},
         "fp16": {"bytes_per_step": 2000, "step_time_s": 0.01, "final_loss": 1.01, "loss_gap": 0.01}}}, "", "cpu")
     zero = bench.Setting("zero", "zero", bench.ZERO, 2, None, "zero")
-    bench.file_run(zero, {"world_size": 2, "samples_per_s": 50.0, "optimizer_state_bytes_per_rank": 512}, "", "cpu")
-    rows = bench.rows_from([hooks, zero], "cpu")
-    assert [(r["mode"], r["throughput"]) for r in rows] == [("allreduce", 50.0), ("fp16", 100.0), ("zero", 50.0)]
+    plain, zero = (bench.Setting("zero", "zero", spec, 2, None, mode)
+                   for spec, mode in ((bench.ZERO_OFF, "ddp"), (bench.ZERO, "zero")))
+    bench.file_run(plain, {"world_size": 2, "samples_per_s": 40.0, "optimizer_state_bytes_per_rank": [800, 800]}, "", "cpu")
+    bench.file_run(zero, {"world_size": 2, "samples_per_s": 50.0, "optimizer_state_bytes_per_rank": [512, 288]}, "", "cpu")
+    rows = bench.rows_from([hooks, plain, zero], "cpu")
+    assert [(r["mode"], r["throughput"]) for r in rows] == [("allreduce", 50.0), ("fp16", 100.0), ("ddp", 40.0),
+                                                            ("zero", 50.0)]
     assert rows[1]["figures"] == {"bytes_per_step": 2000, "step_time_s": 0.01, "final_loss": 1.01, "loss_gap": 0.01}
     lines = bench.summary_lines(rows, "cpu")
-    assert any(line.startswith("comm_hooks fp16 (N=2): bytes_per_step 2,000 (0.50x), step_time_s 0.01 (0.50x)")
-               for line in lines), lines
-    assert "zero zero (N=2): optimizer_state_bytes_per_rank 512" in lines
+    assert "comm_hooks fp16 (N=2): bytes_per_step 2,000 (0.50x allreduce), step_time_s 0.01 (0.50x allreduce), " \
+           "final_loss 1.01, loss_gap 0.01" in lines, lines
+    assert "zero zero (N=2): optimizer_state_bytes_per_rank 512 (0.64x ddp)" in lines, lines  # the largest rank's
     notes = []
     missing = bench.Setting("zero", "zero", dict(bench.ZERO, script="ddp_nonesuch.py"), 2, None)
     assert bench.runnable_settings([missing], bench.check_args(bench.parse_args([])), notes)[0] == []
