@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed for the data, the teacher and the initial weights")
     p.add_argument("--samples", type=int, default=8192, metavar="N",
-                   help="training samples (a quarter as many again are held out for the test accuracy)")
+                   help="training samples (and a quarter as many held out for the test accuracy)")
     p.add_argument("--compare", action="store_true",
                    help="train in one process (DataParallel or plain), then with DDP, and compare")
     p.add_argument("--ddp", action="store_true", help="train with DDP only (the migration target alone)")
@@ -74,8 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
-                   help="write a JSON summary of the run here (with --compare: of the DDP run, "
-                        "both runs under 'compare')")
+                   help="write a JSON summary here (with --compare: the DDP run's, both runs under 'compare')")
     return p.parse_args(argv)
 
 

@@ -118,7 +118,8 @@ def test_bench_efficiency_is_per_worker_against_one_process_with_one_thread():
     """The table's arithmetic on made-up figures: no launch, no timing."""
     bench = import_bench()
     spec = bench.BENCHMARKS["transformer"]
-    settings = [bench.Setting("scaling", "transformer", spec, 1, 1), bench.Setting("scaling", "transformer", spec, 2, 1),
+    settings = [bench.Setting("scaling", "transformer", spec, 1, 1),
+                bench.Setting("scaling", "transformer", spec, 2, 1),
                 bench.Setting("machine", "transformer", spec, 1, None)]
     for s, runs, threads in zip(settings, ([100, 90, 300], [180, 170, 190], [150, 150, 150]), (1, 1, 2)):
         for figure in runs:
@@ -136,13 +137,15 @@ def test_bench_reads_comm_hook_and_zero_figures_and_skips_missing_scripts(monkey
     bench = import_bench()
     hooks = bench.Setting("comm_hooks", "comm_hooks", bench.HOOKS, 2, None)
     bench.file_run(hooks, {"world_size": 2, "hooks": {
-        "allreduce": {"bytes_per_step": 4000, "step_time_s": 0.02, "final_loss": 1.0, "loss_gap": 0.0, "losses": [2, 1]},
+        "allreduce": {"bytes_per_step": 4000, "step_time_s": 0.02, "final_loss": 1.0, "loss_gap": 0.0,
+                      "losses": [2, 1]},
         "fp16": {"bytes_per_step": 2000, "step_time_s": 0.01, "final_loss": 1.01, "loss_gap": 0.01}}}, "", "cpu")
     zero = bench.Setting("zero", "zero", bench.ZERO, 2, None, "zero")
     plain, zero = (bench.Setting("zero", "zero", spec, 2, None, mode)
                    for spec, mode in ((bench.ZERO_OFF, "ddp"), (bench.ZERO, "zero")))
-    bench.file_run(plain, {"world_size": 2, "samples_per_s": 40.0, "optimizer_state_bytes_per_rank": [800, 800]}, "", "cpu")
-    bench.file_run(zero, {"world_size": 2, "samples_per_s": 50.0, "optimizer_state_bytes_per_rank": [512, 288]}, "", "cpu")
+    for setting, speed, state in ((plain, 40.0, [800, 800]), (zero, 50.0, [512, 288])):
+        bench.file_run(setting, {"world_size": 2, "samples_per_s": speed, "optimizer_state_bytes_per_rank": state},
+                       "", "cpu")
     rows = bench.rows_from([hooks, plain, zero], "cpu")
     assert [(r["mode"], r["throughput"]) for r in rows] == [("allreduce", 50.0), ("fp16", 100.0), ("ddp", 40.0),
                                                             ("zero", 50.0)]
