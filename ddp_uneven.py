@@ -211,8 +211,7 @@ class HandOver(Joinable):
         self.model, self.optimizer, self.joined = model, optimizer, False
         model.register_comm_hook(self, HandOver.allreduce)
 
-    @staticmethod
-    def allreduce(self, bucket):
+    def allreduce(self, bucket):  # a comm hook: called as hook(state, bucket), this object the state
         future = default_hooks.allreduce_hook(None, bucket)  # DDP's own: sum, divided by the world size
         if not self.joined:
             return future
@@ -268,6 +267,11 @@ def train_epoch(model, optimizer, loader, handover, device, args):
     return totals
 
 
+def training_mode(args):
+    join = {"handover": "Join + gradient hand-over", "bare": "Join alone", "none": "no Join"}[args.join]
+    return f"{join} | {'ZeRO ' if args.zero else ''}Adam"
+
+
 def gather(tensor):
     every = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(every, tensor)
@@ -289,12 +293,12 @@ def explain_hang(batches, epoch, args):
 def train(model, optimizer, loader, start_epoch, device, args):
     """The epochs; returns one record per epoch: global loss, samples per rank, seconds."""
     handover = HandOver(model, optimizer) if args.join == "handover" else None
+    # what each rank holds, gathered: a rank reading its own file knows only its own count
     shards = gather(torch.tensor([len(loader), len(loader.sampler)], device=device)).tolist()
     batches = [b for b, _ in shards]
-    print0(f"uneven shards (--imbalance {args.imbalance:g}): " + ", ".join(
-        f"rank {r} {s} samples in {b} batches" for r, (b, s) in enumerate(shards))
-        + f" | {'Join + gradient hand-over' if args.join == 'handover' else 'Join alone' if args.join == 'bare' else 'no Join'}"
-        + f" | {'ZeRO ' if args.zero else ''}Adam")
+    print0(f"uneven shards (--imbalance {args.imbalance:g}): "
+           + ", ".join(f"rank {r} {s} samples in {b} batches" for r, (b, s) in enumerate(shards))
+           + f" | {training_mode(args)}")
     history = []
     for epoch in range(start_epoch, args.epochs):
         loader.sampler.set_epoch(epoch)  # a new order within each shard, the same on a rerun
@@ -322,8 +326,8 @@ def save(model, optimizer, epoch, args):
     """Rank 0 writes model and optimizer state; True when a checkpoint was written."""
     if not args.checkpoint:
         return False
-    if args.zero:  # a collective: every rank sends its shard's state to rank 0
-        optimizer.consolidate_state_dict(to=0)
+    if args.zero:  # a collective: every rank sends its shard's state to rank 0, which keeps
+        optimizer.consolidate_state_dict(to=0)  # that whole copy (on the CPU) until the next one
     if dist.get_rank() == 0:
         save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "epoch": epoch}, args.checkpoint)
@@ -347,7 +351,7 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
         "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
-        "epochs": args.epochs, "steps": sum(batches[dist.get_rank()] for _ in history),
+        "epochs": args.epochs, "steps": len(history) * batches[dist.get_rank()],
         "steps_per_epoch": max(batches), "batch_size": args.batch_size, "elapsed_s": elapsed,
         "samples_per_s": sum(trained) / elapsed if elapsed else 0.0, "first_loss": losses[0],
         "final_loss": losses[-1], "losses": losses, "replicas_in_sync": checks["in_sync"],
@@ -359,7 +363,7 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) | "
-           f"torch {torch.__version__} | join {args.join}{' + ZeRO' if args.zero else ''} | {args.epochs} epochs | "
+           f"torch {torch.__version__} | {training_mode(args)} | {args.epochs} epochs | "
            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | every sample once: {'yes' if checks['once'] else 'NO'} | "
            f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
 
