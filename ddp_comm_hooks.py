@@ -30,16 +30,28 @@ Launch:
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --device cpu
     python ddp_comm_hooks.py                                # a one-process world
 
-What runs where (torch 2.14.1): allreduce, fp16, powersgd everywhere; bf16 on gloo
-(it all-reduces bfloat16 on CPU) and on NCCL >= 2.10 with a GPU that has bfloat16.
-batched_powerSGD_hook does not run in any configuration: it views the bucket as one
-square matrix and passes its 2-D P and Q to `_orthogonalize`, which since the batched
-rewrite of PowerSGD (pytorch#75157) accepts only a batch of matrices (3-D) and raises a
-bare AssertionError at the first step after the warm-up. No bucket size, tensor shape or
-rank avoids it (the hook always builds 2-D factors); a warm-up longer than the run does,
-by never compressing. The script tries `_orthogonalize` on a 2-D matrix and leaves the
-hook out where that fails, so a torch that fixes it runs it. powerSGD_hook compresses
-layer by layer and stacks factors into 3-D batches itself, so it works.
+What runs where (torch 2.14.1):
+- allreduce, fp16, powersgd: gloo and NCCL. bf16: gloo all-reduces bfloat16 on CPU; NCCL
+  needs version 2.10 and a GPU with bfloat16. (DDP refuses a hook *named*
+  bf16_compress_hook on a torch built without CUDA and NCCL, gloo or not; the counting
+  wrapper below has another name.)
+- PowerSGD on gloo needs the whole model in one DDP bucket, so the script asks DDP for one
+  (--bucket_cap_mb). The hook issues its P and Q all-reduces from future callbacks, which
+  gloo runs on its own threads when the previous all-reduce completes, while the backward
+  pass is already calling the hook for the next bucket: with two buckets the two ranks
+  issued their collectives in different orders: of 8 launches with DDP's default buckets
+  (1 MB, then the rest) 6 aborted ("Received data size doesn't match expected size",
+  SIGABRT) and 2 hung; with one bucket none failed. ProcessGroupNCCL marks a future
+  complete as soon as its work is queued on the stream, so there the callbacks run at
+  once, in order, and DDP keeps its own buckets (read in the source, not run here).
+- batched_powerSGD_hook runs nowhere: it views the bucket as one square matrix and passes
+  its 2-D factors to `_orthogonalize`, which since the batched rewrite of PowerSGD
+  (pytorch#75157) accepts only a batch of matrices (3-D) and raises a bare AssertionError
+  at the first step after the warm-up. No bucket size, tensor shape or rank avoids it (the
+  factors are always 2-D); a warm-up longer than the run does, by never compressing. The
+  script tries `_orthogonalize` on a 2-D matrix and leaves the hook out where that fails,
+  so a torch that fixes it runs it. powerSGD_hook works: it stacks its factors into 3-D
+  batches itself.
 
 Nearest sibling: ddp_gpus_torchrun.py (the same torchrun launch and loop shape); this
 file adds the hooks and their measurement. The robustness every script shares is in the
@@ -75,20 +87,11 @@ def parse_args(argv=None):
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=2, metavar="N", help="epochs to train")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
                    help="samples per step, per process (the global batch is N x world size)")
-    p.add_argument("--lr", type=float, default=0.2, metavar="LR", help="SGD learning rate (momentum 0.9)")
+    p.add_argument("--lr", type=float, default=0.02, metavar="LR", help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
     p.add_argument("--samples", type=int, default=1536, metavar="N", help="size of the data set")
     p.add_argument("--features", type=int, default=128, metavar="N", help="inputs of the MLP")
     p.add_argument("--hidden", type=int, default=512, metavar="N", help="width of the MLP's three hidden layers")
-    p.add_argument("--hooks", default=None, metavar="A,B",
-                   help=f"comm hooks to compare, from {','.join(HOOK_NAMES)}; allreduce (the baseline) "
-                        "always runs (default: every hook that works here)")
-    p.add_argument("--bucket_cap_mb", type=float, default=None, metavar="MB",
-                   help="DDP's bucket size (default: on gloo the whole model in one bucket, see the docstring; "
-                        "on NCCL DDP's own 25 MB)")
-    p.add_argument("--powersgd_rank", type=int, default=4, metavar="R", help="rank R of PowerSGD's factors")
-    p.add_argument("--powersgd_warmup", type=int, default=8, metavar="STEPS",
-                   help="steps of plain all-reduce before PowerSGD compresses (at least 2)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA when available, else CPU")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
@@ -98,7 +101,21 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    add_hook_arguments(p.add_argument_group("communication hooks"))
     return p.parse_args(argv)
+
+
+def add_hook_arguments(p):
+    """What is compared, and how: the hooks, DDP's buckets, PowerSGD's rank and warm-up."""
+    p.add_argument("--hooks", default=None, metavar="A,B",
+                   help=f"comm hooks to compare, from {','.join(HOOK_NAMES)}; allreduce (the baseline) "
+                        "always runs (default: every hook that works here)")
+    p.add_argument("--bucket_cap_mb", type=float, default=None, metavar="MB",
+                   help="DDP's bucket size (default: on gloo the whole model in one bucket, see the docstring; "
+                        "on NCCL DDP's own 25 MB)")
+    p.add_argument("--powersgd_rank", type=int, default=4, metavar="R", help="rank R of PowerSGD's factors")
+    p.add_argument("--powersgd_warmup", type=int, default=8, metavar="STEPS",
+                   help="steps of plain all-reduce before PowerSGD compresses (at least 2)")
 
 
 def check_args(args):
@@ -157,7 +174,7 @@ def choose_buckets(args):
     that run on gloo's threads when the previous all-reduce completes, while the autograd thread may
     already be calling the hook for the next bucket. With two buckets the ranks can issue their
     collectives in different orders: a size-mismatch abort (SIGABRT) or a hang. NCCL completes its
-    futures as soon as the work is queued, so the callbacks run in order; DDP's buckets stay there."""
+    futures as soon as the work is queued, so the callbacks run in order: DDP's buckets stay."""
     model_mb = 4 * sum(p.numel() for p in MLP(args.features, args.hidden).parameters()) / 2**20
     if args.bucket_cap_mb is None and args.backend == "gloo":
         args.bucket_cap_mb = math.ceil(model_mb)
@@ -216,6 +233,10 @@ class MLP(nn.Sequential):
         for inputs, outputs in zip(widths, widths[1:]):
             layers += [nn.Linear(inputs, outputs), nn.ReLU()]
         super().__init__(*layers, nn.Linear(hidden, classes))
+        for layer in self:
+            if isinstance(layer, nn.Linear):  # He init: activations keep their scale, so a small lr learns fast
+                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                nn.init.zeros_(layer.bias)
 
 
 # ---------------------------------------------------------------- communication hooks
@@ -280,7 +301,8 @@ class Run:
         if xs.is_cuda:
             torch.cuda.synchronize(xs.device)  # the clock waits for the GPU's work
         self.seconds.append(time.perf_counter() - start)
-        self.totals += torch.stack([loss.detach().double() * len(xs), torch.tensor(len(xs), device=xs.device)])
+        self.totals[0] += loss.detach().double() * len(xs)  # on the device: no host sync per step
+        self.totals[1] += len(xs)
 
 
 def train(runs, loader, device, epochs):
@@ -305,6 +327,7 @@ def train(runs, loader, device, epochs):
 
 # ---------------------------------------------------------------- main
 def compare_hooks(device, args):
+    """Train one copy of the model per hook on the same data, then check, tabulate and record them."""
     torch.manual_seed(args.seed)
     dataset = make_dataset(args.samples, args.features, args.seed)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # each rank its own 1/N
@@ -525,10 +548,11 @@ def prepare_rendezvous(args, spawning=False):
         fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
     if args.backend == "nccl":
         # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
-        # process (SIGABRT). First the flight recorder dumps each rank's last collectives to
-        # /tmp/nccl_trace_rank_<rank>; `torchfrtrace /tmp -p nccl_trace_rank_` names the rank
-        # that never arrived.
+        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
+        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
+        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
