@@ -26,7 +26,8 @@ Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_comm_hooks.py
     torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --hooks fp16,powersgd --powersgd_rank 1
     torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 \\
-        --nproc-per-node=8 ddp_comm_hooks.py               # on each node, --node-rank=0/1
+        --nproc-per-node=8 ddp_comm_hooks.py --samples 12288   # on each node, --node-rank=0/1
+                                  # (16 ranks: 8x the samples keep the 48 steps of 2 ranks)
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --device cpu
     python ddp_comm_hooks.py                                # a one-process world
 
@@ -109,10 +110,10 @@ def add_hook_arguments(p):
     """What is compared, and how: the hooks, DDP's buckets, PowerSGD's rank and warm-up."""
     p.add_argument("--hooks", default=None, metavar="A,B",
                    help=f"comm hooks to compare, from {','.join(HOOK_NAMES)}; allreduce (the baseline) "
-                        "always runs (default: every hook that works here)")
+                        "always runs; not given: every hook that works here")
     p.add_argument("--bucket_cap_mb", type=float, default=None, metavar="MB",
-                   help="DDP's bucket size (default: on gloo the whole model in one bucket, see the docstring; "
-                        "on NCCL DDP's own 25 MB)")
+                   help="DDP's bucket size; not given: the whole model in one bucket on gloo (see the "
+                        "docstring), DDP's own 25 MB (the first 1 MB) on NCCL")
     p.add_argument("--powersgd_rank", type=int, default=4, metavar="R", help="rank R of PowerSGD's factors")
     p.add_argument("--powersgd_warmup", type=int, default=8, metavar="STEPS",
                    help="steps of plain all-reduce before PowerSGD compresses (at least 2)")

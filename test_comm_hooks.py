@@ -20,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_comm_hooks
 from conftest import ROOT, read_metrics, run_bounded, torchrun_cmd
 
+pytestmark = pytest.mark.xdist_group("comm_hooks")  # one test process: the shared launch runs once
+
 DEFAULTS = ddp_comm_hooks.parse_args(["--device", "cpu"])
 PARAMS = list(ddp_comm_hooks.MLP(DEFAULTS.features, DEFAULTS.hidden).parameters())
 FP32_BYTES = 4 * sum(p.numel() for p in PARAMS)
