@@ -1,7 +1,7 @@
 """Gradient compression with DDP communication hooks: what each hook sends, costs and loses.
 
-Scenario: one MLP (about 600k parameters, most of them in three square-ish weight
-matrices) is trained several times over, side by side in one job: every copy starts from
+Scenario: one MLP (596,490 parameters, all but 1,546 of them in four weight matrices)
+is trained several times over, side by side in one job: every copy starts from
 the same weights and sees the same batches, and each one runs under its own DDP
 communication hook (`model.register_comm_hook(state, hook)`), which DDP calls with each
 bucket of gradients once the bucket is full:
@@ -22,6 +22,13 @@ bucket. The copies take turns step by step, so a busy machine slows them all ali
 At the end one table: bytes per step per rank (the warm-up counted apart), median step
 time, final training loss and its gap to the allreduce run. A ring all-reduce moves
 about 2(N-1)/N times these bytes over each rank's link.
+
+Measured (2 CPU processes, gloo, defaults): bytes per step per rank 2,385,960 (allreduce),
+1,192,980 (fp16, bf16), 57,544 (powersgd rank 4: 41x fewer, after 8 plain steps); final
+loss 1.1805, gap -0.0022 for fp16 and bf16, +0.18 for PowerSGD (rank 16: 12x fewer bytes,
++0.05). Steps took about as long with fp16/bf16 and ~1.5x as long with PowerSGD: over
+loopback the bytes saved are worth less than the extra matrix products. The bytes are
+what carries over to a real network.
 
 Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_comm_hooks.py
