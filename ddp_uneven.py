@@ -213,11 +213,13 @@ class HandOver(Joinable):
 
     def __init__(self, model, optimizer):
         super().__init__()
-        self.model, self.optimizer, self.joined = model, optimizer, False
+        # no reference to the model: DDP's reducer holds this object, and a cycle through the
+        # reducer (C++) would keep the model alive past destroy_process_group (see cleanup)
+        self.group, self.device, self.optimizer, self.joined = model.process_group, model.join_device, optimizer, False
         model.register_comm_hook(self, HandOver.allreduce)
 
     def allreduce(self, bucket):  # a comm hook: called as hook(state, bucket), this object the state
-        future = default_hooks.allreduce_hook(self.model.process_group, bucket)  # sum / world size
+        future = default_hooks.allreduce_hook(self.group, bucket)  # sum / world size
         if not self.joined:
             return future
 
@@ -232,11 +234,11 @@ class HandOver(Joinable):
 
     @property
     def join_device(self):
-        return self.model.join_device
+        return self.device
 
     @property
     def join_process_group(self):
-        return self.model.join_process_group
+        return self.group
 
 
 class StepWhenJoined(JoinHook):

@@ -7,6 +7,7 @@ without Join the job ends in one error line soon after --timeout; Join without t
 hand-over drifts; ZeRO keeps about half of Adam's state per rank, trains bit for bit the
 same, and its checkpoint loads with weights_only and resumes exactly.
 """
+import gc
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -149,6 +151,24 @@ def test_no_join_ends_with_one_error_line_soon_after_timeout(tmp_path):
     assert not re.search(r"^\[rank\d\]:.*Traceback", stderr, flags=re.MULTILINE), "no traceback per rank\n" + report
     print(f"--no-join --timeout {timeout}: the job ended {ended - started:.1f} s after the shards line")
     assert timeout <= ended - started <= timeout + 30, report
+
+
+def test_hand_over_leaves_the_model_collectable(monkeypatch):
+    """DDP's reducer holds the comm hook's state: if that held the model, the model would outlive
+    destroy_process_group, which can abort the process at exit (CONTRACT.md)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(ddp_uneven.free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        args = ddp_uneven.resolve_device(ddp_uneven.parse_args(["--device", "cpu", "--width", "8"]))
+        model, optimizer, _ = ddp_uneven.build(torch.device("cpu"), args)
+        ddp_uneven.HandOver(model, optimizer)
+        model = weakref.ref(model)
+        del optimizer
+        gc.collect()
+        assert model() is None, gc.get_referrers(model())
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 # ---------------------------------------------------------------- ZeRO
