@@ -222,6 +222,29 @@ run_transformer-toy() {
         && check_metrics m.json
 }
 
+extra_mode uneven "ddp_uneven.py: unequal shards per rank trained to the end with Join: every sample once, replicas agree"
+run_uneven() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_uneven.py" --metrics m.json \
+        && check_metrics m.json "m['every_sample_once'] is True" \
+           "m['samples_trained'] == [m['dataset_size']] * m['epochs']" "m['final_loss'] < m['first_loss']"
+}
+
+extra_mode uneven-zero "ddp_uneven.py --zero: ZeroRedundancyOptimizer with Join, checkpoint at epoch 2, --resume to 3"
+run_uneven-zero() {
+    local cmd=("${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_uneven.py" --zero --checkpoint ck.pt)
+    "${cmd[@]}" -e 2 --metrics m0.json && "${cmd[@]}" -e 3 --resume --metrics m.json \
+        && check_metrics m.json "m['resumed_from_epoch'] == 2" "m['every_sample_once'] is True" \
+           "m['world_size'] == 1 or max(m['optimizer_state_bytes_per_rank']) < sum(m['optimizer_state_bytes_per_rank'])"
+}
+
+extra_mode comm-hooks "ddp_comm_hooks.py: allreduce, fp16, bf16, PowerSGD hooks side by side; bytes counted, loss gap"
+run_comm-hooks() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_comm_hooks.py" --metrics m.json \
+        && check_metrics m.json "m['world_size'] == $N" "m['final_loss'] < m['first_loss']" \
+            "2 * m['hooks']['fp16']['bytes_per_step'] == m['hooks']['allreduce']['bytes_per_step']" \
+            "m['hooks']['powersgd']['compression'] > 10" "abs(m['hooks']['fp16']['loss_gap']) < 0.02"
+}
+
 # ---------------------------------------------------------------- modes beyond one machine (root)
 # two "hosts" on one machine: network namespaces joined by a veth pair (root only)
 NETNS=(ddprun$$h0 ddprun$$h1)
