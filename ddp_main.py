@@ -111,7 +111,7 @@ def add_job_args(p):
 
 
 def check_args(args):
-    """Bad input is one error line and exit code 2, before this process joins the group."""
+    """Bad input is one error line and exit code 2, found before any process group is joined."""
     check_positive(args, "epochs", "batch_size", "lr", "timeout", "train_samples", "test_samples")
     if args.workers < 0:
         fail(f"--workers must be 0 or more, got {args.workers}", "pass --workers 0")
