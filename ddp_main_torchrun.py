@@ -672,10 +672,11 @@ def prepare_rendezvous(args, spawning=False):
         fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
     if args.backend == "nccl":
         # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
-        # process (SIGABRT). First the flight recorder dumps each rank's last collectives to
-        # /tmp/nccl_trace_rank_<rank>; `torchfrtrace /tmp -p nccl_trace_rank_` names the rank
-        # that never arrived.
+        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
+        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
+        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
             and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
