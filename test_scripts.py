@@ -43,7 +43,8 @@ from ddp_transformer import Transformer
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart",
                 "main", "main-torchrun", "main-manual", "transformer"]
 # run only when named: bench in test_dp_bench.py, the others in slow tests below
-RUN_SH_EXTRA = ["bench", "main-resume", "transformer-accum", "transformer-toy", "netns", "netns-elastic"]
+RUN_SH_EXTRA = ["bench", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
+                "netns", "netns-elastic"]
 
 
 # ---------------------------------------------------------------- run.sh, once for every mode
@@ -311,9 +312,11 @@ def test_run_sh_help_lists_every_tested_mode(launch):
 
 @pytest.mark.slow
 def test_run_sh_feature_modes_pass(launch):
-    """resume and --evaluate, gradient accumulation, the seed's toy run: each also has its own test above."""
-    r = launch(["bash", ROOT / "run.sh", "main-resume", "transformer-accum", "transformer-toy"], timeout=300)
-    assert "3 passed, 0 failed" in r.stdout, str(r)
+    """resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each also has its
+    own test (here, test_uneven.py, test_comm_hooks.py)."""
+    modes = ["main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
+    r = launch(["bash", ROOT / "run.sh", *modes], timeout=600)
+    assert f"{len(modes)} passed, 0 failed" in r.stdout, str(r)
 
 
 @pytest.mark.slow
@@ -620,6 +623,7 @@ def test_transformer_default_run_beats_the_unigram_entropy(run_sh):
     m = mode_metrics(run_sh, "transformer")
     entropy = entropy_nats(ddp_transformer.default_corpus())
     assert m["world_size"] == 2 and m["replicas_in_sync"] is True
+    assert m["steps"] == m["max_steps"] == ddp_transformer.MAX_STEPS, m  # a step budget, not an epoch
     assert m["unigram_entropy"] == pytest.approx(entropy, rel=1e-6)
     assert m["val_loss"] < m["first_val_loss"] - 1.0, m
     assert m["val_loss"] < entropy, (m["val_loss"], entropy)
@@ -628,6 +632,55 @@ def test_transformer_default_run_beats_the_unigram_entropy(run_sh):
     assert m["params"] == sum(p.numel() for p in Transformer(vocab, 128, 4, 512, 4, 128).parameters())
     out = mode_output(run_sh, "transformer")
     assert out.strip().splitlines()[-2].startswith("done:") and out.count("sample (") == 1  # then run.sh's "ok:"
+    spe = m["steps_per_epoch"]
+    assert f"| {m['max_steps']} steps = {m['max_steps'] / spe:.2f} epochs of {spe} steps of 1 x 8 x 2 windows" in out
+
+
+# common English words, Zipf-weighted: a text unlike the default corpus, made without any file
+ENGLISH_WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but "
+                 "have an they you were her she there been one all we their has would when if so no will can more "
+                 "other into its than some could them time these two may first then do any like my now over such "
+                 "our man me even most made after also did many before must through back years where much your way "
+                 "well down should because each just those people how too little state good very make world still "
+                 "own see men work long get here between both life being under never day same another know while "
+                 "last might us great old year off come since against go came right used take three").split()
+
+
+def english_like(chars, seed=0):
+    """Sentences of 4-14 words from a seeded generator, `chars` characters in all."""
+    g = torch.Generator().manual_seed(seed)
+    zipf = 1 / torch.arange(1, len(ENGLISH_WORDS) + 1, dtype=torch.float64)
+    sentences, length = [], 0
+    while length < chars:
+        words = torch.multinomial(zipf, int(torch.randint(4, 15, (), generator=g)), replacement=True, generator=g)
+        end = ".....?!"[int(torch.randint(0, 7, (), generator=g))] + ("\n" if torch.rand((), generator=g) < 0.2 else " ")
+        sentences.append(" ".join(ENGLISH_WORDS[w] for w in words).capitalize() + end)
+        length += len(sentences[-1])
+    return "".join(sentences)[:chars]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_transformer_default_run_learns_a_new_text_at_any_world_size(launch, script, torchrun, metrics, tmp_path,
+                                                                       nprocs):
+    """The default run length is a step budget: on a 12,000-character text it has the same steps at
+    1 and 2 processes (1.2 and 2.4 epochs of it) and ends below the text's unigram entropy."""
+    text = english_like(12_000)
+    (tmp_path / "english.txt").write_text(text, encoding="utf-8")
+    args = ["--device", "cpu", "--data", "english.txt", "--sample", "0", "--metrics", "m.json"]
+    if nprocs == 1:  # plain python: a one-process world. One thread, as each of torchrun's 2 below: the
+        # suite runs 2 tests at once on 2 cores, where a 2-thread process waits at OpenMP barriers (seen: 140 s)
+        out = launch([sys.executable, script(TRANSFORMER), *args], timeout=300, env=cpu_env(OMP_NUM_THREADS=1)).stdout
+    else:
+        out = launch([*torchrun, "--standalone", f"--nproc-per-node={nprocs}", script(TRANSFORMER), *args],
+                     timeout=300).stdout
+    m = metrics(tmp_path / "m.json")
+    windows = int(len(text) * (1 - ddp_transformer.VAL_FRACTION)) // 128
+    spe = math.ceil(math.ceil(windows / nprocs) / 8)
+    assert m["world_size"] == nprocs and m["steps_per_epoch"] == spe and m["replicas_in_sync"] is True, m
+    assert m["steps"] == ddp_transformer.MAX_STEPS and m["epochs"] == math.ceil(m["steps"] / spe), m
+    assert f"| {m['steps']} steps = {m['steps'] / spe:.2f} epochs of {spe} steps of 1 x 8 x {nprocs} windows" in out
+    assert m["unigram_entropy"] == pytest.approx(entropy_nats(text), rel=1e-9)
+    assert m["val_loss"] < entropy_nats(text), (m["val_loss"], entropy_nats(text))
 
 
 def test_transformer_toy_loss_falls(launch, script, torchrun, metrics, tmp_path):
@@ -673,17 +726,48 @@ def test_transformer_checkpoint_round_trip_and_resume(launch, script, torchrun, 
     assert m2["first_loss"] < m1["first_loss"] - 0.3, (m1["losses"], m2["losses"])  # continued, not restarted
     assert torch.load(tmp_path / "ck.pt", weights_only=True)["epoch"] == 3
 
+    # an fp32 checkpoint holds no loss scale: --amp fp16 starts a fresh GradScaler, says so once, trains on
+    steps = 3 * m1["steps_per_epoch"] + 2
+    fp16 = launch(torchrun2(torchrun, script, *common, "--epochs", "4", "--max_steps", steps, "--resume",
+                            "--amp", "fp16", "--metrics", "m3.json"), timeout=300)
+    assert fp16.stdout.count("holds no fp16 loss scale: the GradScaler starts afresh") == 1, fp16
+    m3 = metrics(tmp_path / "m3.json")
+    assert m3["amp"] == "fp16" and m3["steps"] == 2 and m3["replicas_in_sync"] is True, m3
+    state = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert state["step"] == steps and (state["epoch"], state["batch_in_epoch"]) == (3, 2)  # mid-epoch
+    assert state["scaler"]["scale"] > 0, state["scaler"]
+
     # a checkpoint of another model is refused before any process starts
     bad = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--data", data, *TRANSFORMER_SMALL,
                   "--d_model", "64", "--checkpoint", "ck.pt", "--resume"], timeout=120, check=False)
     assert bad.returncode == 2 and len(error_lines(bad.stderr)) == 1 and "d_model" in bad.stderr, bad
 
 
+# ---------------------------------------------------------------- torch.compile
+@pytest.mark.slow  # compiling on CPU (C++ kernels) takes 1-4 minutes on 2 busy cores, once per cold cache
+def test_transformer_compiled_ddp_trains_like_eager(launch, script, torchrun, metrics, tmp_path):
+    """--compile (torch.compile around DDP) on 2 gloo ranks: the same training as eager, replicas agree."""
+    data = small_corpus(tmp_path)
+    common = ["--data", data, *TRANSFORMER_SMALL, "--max_steps", "12", "--log_every", "4"]
+    out = launch(torchrun2(torchrun, script, *common, "--compile", "--metrics", "c.json"), timeout=900).stdout
+    launch(torchrun2(torchrun, script, *common, "--metrics", "e.json"), timeout=300)
+    compiled, eager = metrics(tmp_path / "c.json"), metrics(tmp_path / "e.json")
+    assert compiled["compile"] is True and "| compiled |" in out and "(compiling)" in out, out
+    assert compiled["steps"] == 12 and compiled["replicas_in_sync"] is True, compiled
+    assert compiled["val_loss"] < compiled["first_val_loss"] - 0.5, compiled
+    # the same steps on the same batches: compiled kernels round differently, nothing more
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=0.02), (compiled, eager)
+
+
 # ---------------------------------------------------------------- errors
 def test_transformer_help_lists_the_flags(launch, script):
     out = launch([sys.executable, script(TRANSFORMER), "--help"], timeout=120)
-    for flag in ("--grad_accum", "--amp", "--data", "--resume", "--eval_every", "--sample", "per process"):
+    for flag in ("--grad_accum", "--amp", "--data", "--resume", "--eval_every", "--sample", "per process",
+                 "--compile", "--epochs"):
         assert flag in out.stdout, flag
+    # the default run length is stated in steps, and what that is in epochs
+    assert re.search(rf"--max_steps N.*default: {ddp_transformer.MAX_STEPS}\s+on text", out.stdout, re.DOTALL)
+    assert "epochs of the default corpus" in " ".join(out.stdout.split())
 
 
 def test_transformer_too_short_corpus_is_one_clear_error(launch, script, torchrun, tmp_path):
