@@ -535,13 +535,13 @@ def main(rank, args):
 import contextlib
 import gc
 import json
+import logging
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -657,6 +657,8 @@ def prepare_rendezvous(args, spawning=False):
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     if not spawning and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
     if "MASTER_PORT" in os.environ:
@@ -721,8 +723,10 @@ def explained_failures(timeout, checkpoint=None):
     A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
     via a second gloo group: after a timeout the main group's connections are closed, this
     one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
-    prepare_rendezvous.) Ctrl-C ends the process with exit code 130 and, on rank 0, the
-    line `interrupted (...)`; a checkpoint is never half-written (save_checkpoint is atomic).
+    prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every process leaves
+    at once with exit code 130. A checkpoint being written was already removed on the way
+    here (save_checkpoint is atomic), and a clean shutdown is not attempted: with the peers
+    gone, releasing DDP's reducer can wait on them for seconds.
     """
     health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
         if dist.get_backend() == "gloo" else None
@@ -732,12 +736,10 @@ def explained_failures(timeout, checkpoint=None):
     except (KeyboardInterrupt, RuntimeError) as error:
         if interrupted or isinstance(error, KeyboardInterrupt):
             # a peer that stopped first can fail our collective before our own SIGINT is seen
-            deadline = threading.Timer(4, os._exit, (130,))  # the cleanup gets 4 s, then we leave
-            deadline.daemon = True
-            deadline.start()
             if global_rank() == 0:
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
-            raise SystemExit(130) from None
+            sys.stderr.flush()
+            os._exit(130)
         if health is None or "timed out" not in str(error).lower():
             raise
         try:
@@ -851,6 +853,7 @@ def spawn_processes(fn, args, nprocs):
     quietly: that rank has said why. Another failure is named once. After a failure the
     others are stopped within seconds, a frozen one too, instead of hanging the parent.
     """
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
     context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
     try:
         while not context.join(grace_period=3):
