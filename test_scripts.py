@@ -43,7 +43,8 @@ from ddp_transformer import Transformer
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart",
                 "main", "main-torchrun", "main-manual", "transformer"]
 # run only when named: bench in test_dp_bench.py, the others in slow tests below
-RUN_SH_EXTRA = ["bench", "main-resume", "transformer-accum", "transformer-toy", "netns", "netns-elastic"]
+RUN_SH_EXTRA = ["bench", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
+                "netns", "netns-elastic"]
 
 
 # ---------------------------------------------------------------- run.sh, once for every mode
@@ -311,9 +312,11 @@ def test_run_sh_help_lists_every_tested_mode(launch):
 
 @pytest.mark.slow
 def test_run_sh_feature_modes_pass(launch):
-    """resume and --evaluate, gradient accumulation, the seed's toy run: each also has its own test above."""
-    r = launch(["bash", ROOT / "run.sh", "main-resume", "transformer-accum", "transformer-toy"], timeout=300)
-    assert "3 passed, 0 failed" in r.stdout, str(r)
+    """resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each also has its
+    own test (here, test_uneven.py, test_comm_hooks.py)."""
+    modes = ["main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
+    r = launch(["bash", ROOT / "run.sh", *modes], timeout=600)
+    assert f"{len(modes)} passed, 0 failed" in r.stdout, str(r)
 
 
 @pytest.mark.slow
