@@ -34,10 +34,12 @@ as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at
 bucket boundaries, so a bucket's all-reduce starts while the backward pass of earlier
 layers still runs. nanoGPT compiles first, `DDP(torch.compile(model))`: DDP then sees one
 compiled backward that hands over every gradient at its end, and nothing overlaps.
-Measured on 2 CPU processes (gloo, the default model, a busy 2-core machine): both
-orders ran at eager's speed within the noise (0.8-1.0x), and compiling took 148 s (wrap
-first) against 200 s (compile first) from a cold cache, 27 s against 34 s warm. So the
-documented order; its overlap matters on GPUs, with more than one 25 MB bucket.
+Measured on 2 CPU processes (gloo, the default model, eager and compiled steps
+interleaved in one launch): compiled steps ran at 0.8x eager's tokens/s in either order
+(wrap first 0.78-0.81x, compile first 0.84-0.85x), and the first step compiled for 54 s
+against 59 s from a cold cache, 22 s against 19 s warm. Nothing there picks an order, so
+the documented one: its overlap pays where the all-reduce takes time (GPUs, models of
+several 25 MB buckets; this one fits in one). On CPU, --compile shows how, not speed.
 
 Over the seed this fixes the attention mask (the seed's hides the past and shows the
 future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead, on any
@@ -76,7 +78,9 @@ STDLIB_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "queue.py
                   "json/decoder.py", "json/encoder.py", "statistics.py", "dataclasses.py")
 DEFAULT_CORPUS_CHARS = 120_000
 VAL_FRACTION = 0.1
-MAX_STEPS = 60  # the default run: about 15 s at 2 CPU processes, below the unigram entropy on any text
+# The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
+# and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
+MAX_STEPS = 60
 
 
 # ---------------------------------------------------------------- arguments
