@@ -517,8 +517,9 @@ def test_mnist_missing_is_a_clear_error(launch, script, tmp_path):
 
 
 # ================================================================ Transformer: ddp_transformer.py
-# Causality, no_sync accumulation, learning, the seed's toy run, checkpoints, errors. The
-# accumulation test starts two real gloo ranks in-process with torch.multiprocessing.
+# Causality, no_sync accumulation, learning (the default step budget on the default corpus and on
+# a generated text, at 1 and 2 processes), the seed's toy run, checkpoints (mid-epoch, fp16 after
+# fp32), torch.compile (slow), errors. The accumulation test starts two real gloo ranks in-process.
 TRANSFORMER = "ddp_transformer.py"
 # a small model for the runs that test behaviour, not learning
 TRANSFORMER_SMALL = ["--d_model", "32", "--num_layers", "1", "--block_size", "32", "--batch_size", "16",
