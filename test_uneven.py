@@ -116,6 +116,7 @@ def test_join_trains_as_the_one_process_rule(plain):
     assert plain[1]["losses"] == pytest.approx(expected, rel=1e-5), (plain[1]["losses"], expected)
 
 
+@pytest.mark.slow  # one more launch; the default suite keeps the Join, ZeRO and --no-join cases
 @shared
 def test_join_without_the_hand_over_drifts(plain, work):
     """The tutorial's Join([model, ZeRO]): a joined rank steps its shard with its own stale gradient."""
