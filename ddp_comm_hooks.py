@@ -34,8 +34,7 @@ Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_comm_hooks.py
     torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --hooks fp16,powersgd --powersgd_rank 1
     torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 \\
-        --nproc-per-node=8 ddp_comm_hooks.py --samples 12288   # on each node, --node-rank=0/1
-                                  # (16 ranks: 8x the samples keep the 48 steps of 2 ranks)
+        --nproc-per-node=8 ddp_comm_hooks.py                  # on each node, --node-rank=0/1
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_comm_hooks.py --device cpu
     python ddp_comm_hooks.py                                # a one-process world
 
@@ -98,7 +97,8 @@ def parse_args(argv=None):
                    help="samples per step, per process (the global batch is N x world size)")
     p.add_argument("--lr", type=float, default=0.02, metavar="LR", help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
-    p.add_argument("--samples", type=int, default=1536, metavar="N", help="size of the data set")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="size of the data set (default: 768 per process: 48 steps at any world size)")
     p.add_argument("--features", type=int, default=128, metavar="N", help="inputs of the MLP")
     p.add_argument("--hidden", type=int, default=512, metavar="N", help="width of the MLP's three hidden layers")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -129,6 +129,7 @@ def add_hook_arguments(p):
 
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
+    args.samples = args.samples or 768 * int(os.environ.get("WORLD_SIZE", 1))  # the same steps at any world size
     check_positive(args, "epochs", "batch_size", "lr", "samples", "features", "hidden", "bucket_cap_mb",
                    "powersgd_rank", "timeout")
     check_folders(args.metrics)
