@@ -568,11 +568,11 @@ def prepare_rendezvous(args, spawning=False):
 
 
 def stop_on_interrupt():
-    """Ctrl-C and timeouts of one process. Returns a list that fills when SIGINT arrives.
+    """Watch for Ctrl-C in this process. Returns a list that fills when SIGINT arrives.
 
     The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
-    that the cleanup runs to its end; a process whose SIGINT was ignored when it started
-    (a background job) keeps ignoring it.
+    that the `interrupted` line is still printed; a process whose SIGINT was ignored when
+    it started (a background job) keeps ignoring it.
     """
     received = []
 
