@@ -405,10 +405,10 @@ def evaluate(model, loader, amp, device):
 
 
 def sync_buffers(model):
-    """Give every rank rank 0's BatchNorm statistics.
+    """Give every rank rank 0's BatchNorm statistics, the ones saved.
 
-    DDP broadcasts buffers at the start of each forward, so after the last step every
-    rank holds statistics updated by its own last batch. Rank 0's are the ones saved.
+    Without SyncBatchNorm (the CPU) each rank's statistics follow its own batches, and
+    DDP was told not to broadcast them every step (broadcast_buffers=False in train).
     """
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
@@ -474,8 +474,13 @@ def train(device, args):
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 
-    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive
-    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive.
+    # broadcast_buffers=False: by default DDP broadcasts rank 0's BatchNorm statistics before every
+    # forward, one more collective per step. Not needed here: SyncBatchNorm keeps them equal on GPUs;
+    # on CPU rank 0's (the ones saved) come from rank 0's batches either way, and sync_buffers()
+    # hands them to every rank before evaluation.
+    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                         broadcast_buffers=False)
     start = time.perf_counter()
     history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
     elapsed = time.perf_counter() - start
