@@ -3,8 +3,10 @@
 Every launch runs in its own process session so that a timeout (or a failing test)
 ends the launcher *and* every worker it started: no test leaves processes behind.
 """
+import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -99,6 +101,38 @@ def read_metrics(path):
 def metrics():
     """metrics(path) -> the JSON object a script wrote with --metrics."""
     return read_metrics
+
+
+# ---------------------------------------------------------------- `bash run.sh`, once per test session
+def shared_dir(tmp_path_factory):
+    """A folder every test process of this session sees: under xdist each worker's basetemp lies
+    in one folder of the session's own; without xdist the basetemp is that folder."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@pytest.fixture(scope="session")
+def run_sh(tmp_path_factory):
+    """`bash run.sh`: every default mode, once per session however xdist spreads the tests that
+    read it. The first test process to ask runs it under a file lock and stores the result; the
+    others wait on the lock and read it. The work files (one folder per mode) are kept in the
+    session's temporary folder, which pytest removes with its old ones."""
+    root = shared_dir(tmp_path_factory)
+    stored = root / "run_sh.json"
+    with open(root / "run_sh.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not stored.exists():
+            work = root / "run_sh"
+            work.mkdir(exist_ok=True)
+            r = run_bounded(["bash", ROOT / "run.sh"], work, timeout=900, check=False,
+                            env=cpu_env(KEEP_WORK=1, TMPDIR=work))
+            stored.write_text(json.dumps({"cmd": [str(c) for c in r.cmd], "returncode": r.returncode,
+                                          "stdout": r.stdout, "stderr": r.stderr}))
+    record = json.loads(stored.read_text())
+    result = Result(record["cmd"], record["returncode"], record["stdout"], record["stderr"])
+    found = re.search(r"work files in (\S+)", result.stdout)
+    result.work = Path(found.group(1)) if found else None  # one folder per mode
+    return result
 
 
 # ---------------------------------------------------------------- two test processes (pytest-xdist)

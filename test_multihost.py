@@ -312,7 +312,9 @@ def script_args(name):
     return SCRIPTS[name]
 
 
-@pytest.mark.parametrize("name", list(SCRIPTS))
+# the launch is the same for every torchrun script: the default suite runs it with one, CI's slow tier with both
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "ddp_transformer.py" else n
+                                  for n in SCRIPTS])
 def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
     """`--nnodes=2 --node-rank=0/1 --master-addr=<host0's address>`: the classic two-node launch."""
     args, nproc = script_args(name)
