@@ -1,9 +1,10 @@
-"""What DDP buys you on this machine: per-worker scaling, DP against DDP, the thread policy,
-gradient compression and ZeRO.
+"""What DDP buys you on this machine: per-worker scaling against the limit of the machine, and
+(one flag away) the thread policy, DP against DDP, gradient compression and ZeRO.
 
 Runs the collection's scripts the way users do (mp.spawn scripts with `python`, torchrun
 scripts with `torchrun`), reads their `--metrics` files, and reports the median of
-several runs, all taken in one invocation:
+several runs, all taken in one invocation. By default (`bash run.sh bench`, about 27
+launches and 7 minutes on a quiet 2-core machine; the plan is printed first):
 
 - scaling: the per-worker efficiency that DDP is judged by,
       E(N) = throughput(N workers) / (N x throughput(1 worker)),
@@ -11,51 +12,75 @@ several runs, all taken in one invocation:
   (N processes with OMP_NUM_THREADS=1 against 1 process with 1 thread). For the MLP
   (dp_baseline.py --ddp), the MNIST ConvNet (ddp_main.py, synthetic data) and the
   Transformer (ddp_transformer.py), at N = 1, 2, 4, ... up to --max_nprocs. Every
-  process keeps the same work per step (weak scaling).
-- machine (CPU only): one process using the whole machine (the automatic thread split:
-  every core) against the N 1-thread processes: what DDP on one CPU box buys over
-  simply giving one process all the cores.
-- threads (CPU only): other thread policies at the largest N, e.g. OMP_NUM_THREADS=cores
-  in every process (oversubscribed).
-- dp_vs_ddp: dp_baseline.py --compare at --max_nprocs: the same model, data and global
-  batch trained by one process (DataParallel over those GPUs, or the plain module) and
-  by DDP.
-- comm_hooks: ddp_comm_hooks.py: bytes per step, step time and loss gap of each DDP
-  communication hook the script runs, side by side in one job.
-- zero: ddp_uneven.py with and without --zero (ZeroRedundancyOptimizer): optimizer
-  state per rank, whatever byte counts its metrics hold.
+  process keeps the same work per step and the same steps (weak scaling).
+- the limit, measured in the same run for every N > 1: N independent one-process runs
+  started at the same moment (each a world of one with the per-process workload of one
+  rank of the N-process run, the same thread policy, its own folder and port, and on
+  GPUs its own GPU), their throughputs summed: what the machine gives N workers with no
+  communication at all. limit_efficiency = that sum / (N x the 1-process figure), and
+  of_limit = efficiency / limit_efficiency: the share of the attainable that DDP reaches.
+  Part of what E(N) loses on a small CPU box is the machine's, not DDP's (shared memory
+  bandwidth and caches, the benchmark's own Python on a core a rank needs): of_limit
+  separates the two.
+
+One flag away (see --help):
+- --threads (CPU only): machine, one process using the whole machine (the automatic
+  thread split: every core) against the N 1-thread processes: what DDP on one CPU box
+  buys over simply giving one process all the cores; and threads, other thread policies
+  at the largest N, e.g. OMP_NUM_THREADS=cores in every process (oversubscribed).
+- --extras: dp_vs_ddp, dp_baseline.py --compare at --max_nprocs: the same model, data and
+  global batch trained by one process (DataParallel over those GPUs, or the plain module)
+  and by DDP; comm_hooks, ddp_comm_hooks.py: bytes per step, step time and loss gap of
+  each DDP communication hook the script runs, side by side in one job; zero,
+  ddp_uneven.py with and without --zero (ZeroRedundancyOptimizer): optimizer state per
+  rank, whatever byte counts its metrics hold.
+- --all: both (about 2.5x as long). --only NAMES picks benchmarks (an extra named there
+  runs without --extras).
 
 The `efficiency` column is throughput / (workers x the benchmark's 1-worker figure), a
 worker being one GPU, or one CPU core (processes x threads, at most the cores): 1.0 is
 perfect scaling, and a row that uses its cores worse than one 1-thread process is below
 1. Warm-up is excluded where the script makes that possible (its steady figure, its
-epoch lines after the first, or its own figure that already leaves warm-up out).
-A script that is missing or lacks a flag skips its rows with a one-line note; a failed
-run is reported and makes the exit code 1.
+epoch lines after the first, or its own figure that already leaves warm-up out). The
+Transformer trains --max_steps steps within one epoch at every N: it is given N copies
+of its default text (--data), so each process's epoch is as long at any N and every run
+writes exactly one checkpoint, which the script times with its steps; its final
+validation is outside the figure. A note says when a benchmark's runs (scaling and limit)
+did not all take the same steps per process, as their metrics report them. A script that
+is missing or lacks a flag skips its rows with a one-line note; a failed run is reported
+and makes the exit code 1.
 
 Usage:
-    bash run.sh bench                   # or: python bench.py
+    bash run.sh bench                   # or: python bench.py; scaling + limit, median of 3
+    bash run.sh bench --all             # every section (about 2.5x as long)
     python bench.py --quick             # one run each of tiny workloads: checks the plumbing, not speed
     python bench.py --repeats 5 --only mlp,convnet
-Writes bench_results.json (a list of rows: benchmark, mode, world_size,
-threads_per_process, throughput, unit, efficiency, plus section, thread_policy, runs and,
-for comm_hooks and zero, figures) in the working directory. Measure on a quiet machine:
-the load average is printed.
+A line `[k/n] section benchmark N=.. policy (elapsed ..)` precedes every launch, and each
+table row is printed as soon as its setting's last run is in. Writes bench_results.json
+(a list of rows: benchmark, mode, world_size, threads_per_process, throughput, unit,
+efficiency, limit_efficiency, of_limit, plus section, thread_policy, runs, limit_runs
+(each the sum over the N one-process runs), limit_per_process and, for comm_hooks and
+zero, figures) in the working directory. Measure on a quiet machine: the load average is
+printed.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
+import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import re
 import signal
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +89,8 @@ HERE = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------- the benchmarks
+# Every sizes(n, quick) gives the flags of an n-process run; a limit run is a one-process world
+# with sizes(1, quick), so each workload keeps its per-process numbers equal at every n.
 def mlp_sizes(n, quick):
     # dp_baseline.py's --batch_size is global: 256 per process, as many steps per process at any N
     per_process = 2048 if quick else 16384
@@ -71,15 +98,16 @@ def mlp_sizes(n, quick):
 
 
 def convnet_sizes(n, quick):
+    # ddp_main.py's --batch_size (32) is per process: N x 4096 samples are 128 steps per process at any N
     per_process = 512 if quick else 4096
     return {"--epochs": 2 if quick else 4, "--train_samples": per_process * n,
             "--test_samples": 128 if quick else 1000}
 
 
 def transformer_sizes(n, quick):
-    # the same steps per process at any N, within one epoch: the script times its checkpoint writes,
-    # one per epoch, so a run crossing more epochs at larger N would bias E(N) down; this way every
-    # run writes one (at its end). On the default text an epoch is 106 / N steps
+    # the same steps per process at any N, within one epoch: with N copies of the text (corpus_args)
+    # an epoch is 106 steps per process at any N (8 windows of 128 characters a step), so every run
+    # writes one checkpoint, which the script times with its steps
     return {"--max_steps": 5 if quick else 50, "--epochs": 1, "--sample": 0, "--log_every": 0}
 
 
@@ -91,39 +119,54 @@ def short_sizes(n, quick):
 # name: script, launcher, required flags, kind of metrics, the figure's key and unit, workload per N.
 # kind: throughput (one run), compare (two runs under "compare"), hooks (one run per hook under
 # "hooks"), figures (one run whose byte counts are read too). steady: the key already leaves
-# warm-up out. per_step: the key is seconds per step (the figure is steps/s).
+# warm-up out. per_step: the key is seconds per step (the figure is steps/s). corpus: the script's
+# function that returns its default text (given N times with --data). work_s: seconds of work of
+# one process at N = 1 on one quiet core, without start-up (default, --quick): the plan's estimate.
 BENCHMARKS = {
     "mlp": dict(script="dp_baseline.py", launcher="spawn", required=["--ddp"], kind="throughput",
-                key="samples_per_s", unit="samples/s", sizes=mlp_sizes),
+                key="samples_per_s", unit="samples/s", sizes=mlp_sizes, work_s=(3, 0.5)),
     "convnet": dict(script="ddp_main.py", launcher="spawn", required=["--dataset", "synthetic"],
-                    kind="throughput", key="samples_per_s", unit="samples/s", sizes=convnet_sizes),
+                    kind="throughput", key="samples_per_s", unit="samples/s", sizes=convnet_sizes,
+                    work_s=(12, 1)),
     "transformer": dict(script="ddp_transformer.py", launcher="torchrun", required=[], kind="throughput",
-                        key="tokens_per_s", unit="tokens/s", sizes=transformer_sizes, steady=True),
+                        key="tokens_per_s", unit="tokens/s", sizes=transformer_sizes, steady=True,
+                        corpus="default_corpus", work_s=(7, 2)),
 }
 COMPARE = dict(script="dp_baseline.py", launcher="spawn", required=["--compare"], kind="compare",
-               key="samples_per_s", unit="samples/s", sizes=mlp_sizes)
+               key="samples_per_s", unit="samples/s", sizes=mlp_sizes, work_s=(12, 5))
 HOOKS = dict(script="ddp_comm_hooks.py", launcher="torchrun", required=[], kind="hooks",
-             key="step_time_s", unit="steps/s", sizes=short_sizes, per_step=True, figures=r"bytes_per_step|time_s|loss")
+             key="step_time_s", unit="steps/s", sizes=short_sizes, per_step=True, figures=r"bytes_per_step|time_s|loss",
+             work_s=(15, 8))
 ZERO = dict(script="ddp_uneven.py", launcher="torchrun", required=["--zero"], kind="figures",
-            key="samples_per_s", unit="samples/s", sizes=short_sizes, figures=r"bytes|memory|final_loss")
+            key="samples_per_s", unit="samples/s", sizes=short_sizes, figures=r"bytes|memory|final_loss",
+            work_s=(5, 3))
 ZERO_OFF = dict(ZERO, required=[])
 EXTRAS = ("dp_vs_ddp", "comm_hooks", "zero")  # --only names besides BENCHMARKS
 EPOCH_LINE = re.compile(r"^epoch (\d+)/\d+ \|.*?\| ([\d.]+) samples/s \|", re.MULTILINE)
+# the plan's estimate of a launch: a launcher (the mp.spawn parent, torchrun's agent) imports torch,
+# a worker imports torch and torch._dynamo (its first optimizer does); DDP's steps take longer than
+# one process's (the all-reduce)
+LAUNCHER_START_S, WORKER_START_S, DDP_SLOWER = 2.4, 5.0, 1.3
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # each help states its default
     p.add_argument("--quick", action="store_true",
-                   help="one run of each setting on tiny workloads; only the MLP gets every setting, "
-                        "the other scripts run once at the largest N: checks that everything runs "
+                   help="one run of each setting on tiny workloads: checks that everything runs "
                         "(tests), measures nothing")
     p.add_argument("--repeats", type=int, default=None, metavar="N",
                    help="runs per setting; the figure is their median (default: 3, 1 with --quick)")
-    p.add_argument("--only", default=",".join([*BENCHMARKS, *EXTRAS]), metavar="NAMES",
-                   help="comma-separated subset of: %(default)s (default: all)")
-    p.add_argument("--no-threads", dest="threads", action="store_false",
-                   help="skip the thread-policy rows (CPU)")
+    p.add_argument("--only", default=None, metavar="NAMES",
+                   help=f"comma-separated subset of: {','.join([*BENCHMARKS, *EXTRAS])} (default: "
+                        f"{','.join(BENCHMARKS)}, each with its limit; --extras adds the rest)")
+    p.add_argument("--threads", action=argparse.BooleanOptionalAction, default=None,
+                   help="also the CPU thread-policy sections: machine (one process on every core) and "
+                        "threads (OMP_NUM_THREADS=cores in every process) (default: off, on with --all)")
+    p.add_argument("--extras", action="store_true",
+                   help="also dp_vs_ddp, comm_hooks and zero (default: off)")
+    p.add_argument("--all", action="store_true",
+                   help="every section: --threads and --extras (about 2.5x as long as the default)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto (default): the GPUs when there are any, else CPU")
     p.add_argument("--max_nprocs", type=int, default=None, metavar="N",
@@ -149,7 +192,10 @@ def check_args(args):
         fail(f"--repeats must be a positive integer, got {args.repeats}", "pass --repeats 1 or more")
     if not args.timeout > 0:
         fail(f"--timeout must be positive, got {args.timeout}", "pass e.g. --timeout 600")
-    args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+    args.threads = args.all if args.threads is None else args.threads
+    args.extras = args.extras or args.all
+    named = [name.strip() for name in (args.only or ",".join(BENCHMARKS)).split(",") if name.strip()]
+    args.only = list(dict.fromkeys(named + list(EXTRAS if args.extras else ())))
     unknown = sorted(set(args.only) - {*BENCHMARKS, *EXTRAS})
     if unknown:
         fail(f"unknown benchmark(s) {', '.join(unknown)}", f"pick from {', '.join([*BENCHMARKS, *EXTRAS])}")
@@ -206,23 +252,53 @@ def kill_session(proc):
         pass
 
 
-def run_bounded(cmd, cwd, env, timeout):
-    """Run `cmd` in its own session; returns (exit code or None on timeout, stdout, stderr).
+def run_all(jobs, timeout):
+    """Start every (cmd, cwd, env) job at the same moment, each in its own session, and wait for them
+    all; returns [(exit code or None on timeout, stdout, stderr)], one per job.
 
-    The whole session is killed at the end, whatever happened (a timeout, Ctrl-C, SIGTERM),
-    so no launcher or worker outlives it.
+    Their output goes to files, so no job ever waits on a pipe that nobody reads yet. Every
+    session is killed at the end, whatever happened (a timeout, Ctrl-C, SIGTERM), so no
+    launcher or worker outlives it.
     """
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline, procs, files = time.monotonic() + timeout, [], []
     try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        kill_session(proc)
-        out, err = proc.communicate()
-        return None, out, err
+        for cmd, cwd, env in jobs:
+            files.append((tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")))
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdin=subprocess.DEVNULL,
+                                          stdout=files[-1][0], stderr=files[-1][1], start_new_session=True))
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        for proc in procs:
+            kill_session(proc)  # before reading: a timed-out job writes no more
+        return [(code, *(read_back(f) for f in pair)) for code, pair in zip(codes, files)]
     finally:
-        kill_session(proc)
+        for proc in procs:
+            kill_session(proc)
+        for f in (f for pair in files for f in pair):
+            f.close()
+
+
+def read_back(f):
+    f.seek(0)
+    return f.read()
+
+
+def run_bounded(cmd, cwd, env, timeout):
+    """Run one `cmd` in its own session (see run_all); returns (exit code or None, stdout, stderr)."""
+    return run_all([(cmd, cwd, env)], timeout)[0]
+
+
+def free_ports(count):
+    """`count` different ports the OS says are free now (held open together: no two are the same)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def script_flags(script, timeout):
@@ -238,10 +314,11 @@ def script_flags(script, timeout):
     return set(re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", out)), None
 
 
-def command(spec, flags, device, n, quick):
-    """The launch command, with the workload flags the script understands; (None, why) if it lacks one it needs."""
+def command(spec, flags, device, n, quick, plain=False):
+    """The launch command, with the workload flags the script understands; (None, why) if it lacks one
+    it needs. plain: a one-process world started with `python`, even for a torchrun script."""
     needed = ["--device", "--metrics", *(a for a in spec["required"] if a.startswith("--")),
-              *(["--nprocs"] if spec["launcher"] == "spawn" else [])]
+              *(["--nprocs"] if spec["launcher"] == "spawn" else []), *(["--data"] if spec.get("corpus") else [])]
     missing = [f for f in needed if f not in flags]
     if missing:
         return None, f"{spec['script']} has no {', '.join(missing)}"
@@ -250,9 +327,62 @@ def command(spec, flags, device, n, quick):
         if flag in flags:
             extra += [flag, str(value)]
     base = [str(HERE / spec["script"]), *spec["required"], "--device", device, *extra]
-    if spec["launcher"] == "torchrun":
-        return [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", *base], None
-    return [sys.executable, *base, "--nprocs", str(n)], None
+    if spec["launcher"] == "spawn":
+        return [sys.executable, *base, "--nprocs", str(n)], None
+    if plain:
+        return [sys.executable, *base], None
+    return [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", *base], None
+
+
+TEXTS = {}  # script -> its default text (None: it has none)
+
+
+def default_text(spec):
+    """The text the script trains on by default, from its own function spec["corpus"] (the script is
+    imported, not run: its main does not start); None when that fails."""
+    script = spec["script"]
+    if script not in TEXTS:
+        try:
+            found = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", HERE / script)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+            TEXTS[script] = getattr(module, spec["corpus"])()
+        except Exception:  # any failure means the same here: the rows are skipped with a note
+            TEXTS[script] = None
+    return TEXTS[script]
+
+
+def corpus_args(spec, n, folder):
+    """--data with n copies of the script's default text, written in `folder`: each of n processes gets
+    an epoch of the same steps as one process on one copy (the same vocabulary, the same model)."""
+    if not spec.get("corpus"):
+        return []
+    path = os.path.join(folder, "corpus.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(default_text(spec) * n)
+    return ["--data", path]
+
+
+def launch_jobs(setting, args, flags, tmp):
+    """(cmd, cwd, env, metrics path) of each job a launch starts, each in its own folder of `tmp`: one
+    job, or for a limit launch N one-process worlds (the per-process workload of one rank of the
+    N-process run), each with its own port and, on GPUs, its own GPU."""
+    limit = setting.section == "limit"
+    copies, world = (setting.n, 1) if limit else (1, setting.n)
+    ports = free_ports(copies) if limit else []
+    gpus = first_gpus(copies).split(",") if limit and args.device == "cuda" else []
+    jobs = []
+    for i in range(copies):
+        cwd = os.path.join(tmp, f"run{i}")  # the job's cwd: its checkpoints go with it
+        os.mkdir(cwd)
+        metrics = os.path.join(cwd, "metrics.json")
+        cmd = command(setting.spec, flags, args.device, world, args.quick, plain=limit)[0]
+        env = launch_env(args.device, setting.omp, world)
+        if limit:
+            env["MASTER_PORT"] = str(ports[i])  # the script hosts its own rendezvous there
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i] if gpus else env["CUDA_VISIBLE_DEVICES"]
+        jobs.append((cmd + corpus_args(setting.spec, world, cwd) + ["--metrics", metrics], cwd, env, metrics))
+    return jobs
 
 
 def throughput_of(spec, record, stdout):
@@ -283,6 +413,7 @@ class Setting:
         self.section, self.name, self.spec, self.n, self.omp = section, name, spec, n, omp_threads
         self.mode = mode
         self.parts, self.failures, self.how = {}, [], set()  # parts: mode -> world, threads, runs, figures
+        self.steps = set()  # optimizer steps per process, as each run's metrics say
 
     @property
     def policy(self):
@@ -297,21 +428,22 @@ def process_counts(max_n):
 
 
 def benchmark_settings(name, spec, args):
-    """The scaling rows of one benchmark and, on CPU, its whole-machine and thread-policy rows."""
-    full = name == "mlp" or not args.quick  # --quick: the MLP covers the sections, the rest run once
-    counts = process_counts(args.max_nprocs) if full else [args.max_nprocs]
-    if args.device != "cpu":
-        return [Setting("scaling", name, spec, n, None) for n in counts]
-    # one core per worker: N processes with 1 thread each, against 1 process with 1 thread
-    settings = [Setting("scaling", name, spec, n, 1) for n in counts]
-    if full:
-        settings.append(Setting("machine", name, spec, 1, None))  # 1 process, every core (automatic split)
-    if full and args.threads:
-        n, auto = args.max_nprocs, max(1, cores() // args.max_nprocs)
-        if auto > 1 and spec["launcher"] != "torchrun":  # torchrun sets 1 thread per worker itself
-            settings.append(Setting("threads", name, spec, n, None))
+    """The scaling rows of one benchmark, each N > 1 right after its limit launch (the row shows both),
+    and, on CPU with --threads, its whole-machine and thread-policy rows."""
+    omp = 1 if args.device == "cpu" else None  # on CPU one core per worker: 1 thread per process
+    settings = []
+    for n in process_counts(args.max_nprocs):
         if n > 1:
-            settings.append(Setting("threads", name, spec, n, cores()))  # oversubscribed
+            settings.append(Setting("limit", name, spec, n, omp))  # N one-process worlds at once
+        settings.append(Setting("scaling", name, spec, n, omp))
+    if args.device != "cpu" or not args.threads:
+        return settings
+    settings.append(Setting("machine", name, spec, 1, None))  # 1 process, every core (automatic split)
+    n, auto = args.max_nprocs, max(1, cores() // args.max_nprocs)
+    if auto > 1 and spec["launcher"] != "torchrun":  # torchrun sets 1 thread per worker itself
+        settings.append(Setting("threads", name, spec, n, None))
+    if n > 1:
+        settings.append(Setting("threads", name, spec, n, cores()))  # oversubscribed
     return settings
 
 
@@ -330,6 +462,44 @@ def plan(args):
     return settings
 
 
+def processes(setting):
+    """(launchers, workers) a launch starts: a limit launch N one-process worlds (mp.spawn: a parent and
+    its child each; a torchrun script: one plain process), any other launch one launcher and N workers."""
+    if setting.section != "limit":
+        return 1, setting.n
+    return (setting.n, setting.n) if setting.spec["launcher"] == "spawn" else (0, setting.n)
+
+
+def launch_estimate(setting, args):
+    """Rough seconds of one launch on a quiet machine: start-up (launchers first, then the workers, as
+    many at once as there are cores) plus the work, longer where processes talk or share cores."""
+    launchers, workers = processes(setting)
+    crowd = max(1, workers / cores())
+    threads = setting.omp or max(1, cores() // setting.n)
+    work = setting.spec["work_s"][bool(args.quick)] * max(1, workers * threads / cores())
+    if setting.n > 1 and setting.section != "limit":
+        work *= DDP_SLOWER
+    return (LAUNCHER_START_S * max(1, launchers / cores()) if launchers else 0) + WORKER_START_S * crowd + work
+
+
+def print_plan(runnable, args, spent=0.0):
+    """How many launches, how many processes, and about how long in all (`spent`: the seconds already
+    gone, on checking the scripts): printed before the first launch."""
+    launches = args.repeats * len(runnable)
+    started = args.repeats * sum(sum(processes(s)) for s in runnable)
+    minutes = (spent + args.repeats * sum(launch_estimate(s, args) for s in runnable)) / 60
+    repeats = f"{args.repeats} repeat{'s' if args.repeats > 1 else ''}"
+    print(f"plan: {launches} launches ({len(runnable)} settings x {repeats}), "
+          f"{started} processes; about {minutes:.1f} min in all on a quiet {cores()}-core machine "
+          f"({LAUNCHER_START_S:.1f} s of start-up per launcher, {WORKER_START_S:.1f} s per worker: import torch "
+          f"and torch._dynamo; plus the work)", flush=True)
+    left = [f"{flag} ({what})" for flag, what, on in (
+        ("--threads", "the machine and threads sections", args.threads or args.device != "cpu"),
+        ("--extras", "dp_vs_ddp, comm_hooks, zero", set(EXTRAS) <= set(args.only))) if not on]
+    if left:
+        print(f"not in this run: {'; '.join(left)}; --all adds every section", flush=True)
+
+
 def expected_threads(setting, device):
     """Threads per process when the script does not report them: the contract's split, or torchrun's 1."""
     if device != "cpu":
@@ -342,24 +512,25 @@ def expected_threads(setting, device):
 
 
 def measure(setting, args, flags):
-    """One launch of a setting; returns (metrics record, stdout), or None after filing why not."""
+    """One launch of a setting; returns [(metrics record, stdout)], one per job (a limit launch has N),
+    or None after filing why not."""
     spec = setting.spec
-    with tempfile.TemporaryDirectory() as tmp:  # the launch's cwd: its checkpoints go with it
-        metrics = os.path.join(tmp, "metrics.json")
-        cmd = command(spec, flags, args.device, setting.n, args.quick)[0] + ["--metrics", metrics]
-        code, out, err = run_bounded(cmd, tmp, launch_env(args.device, setting.omp, setting.n), args.timeout)
-        if code != 0:
-            last = (err.strip().splitlines() or ["no output"])[-1]
-            setting.failures.append(f"{spec['script']}: " + (f"timed out after {args.timeout:.0f} s"
-                                                            if code is None else f"exit {code}: {last}"))
-            return None
-        try:
-            with open(metrics) as f:
-                record = json.load(f)
-        except (OSError, ValueError) as e:
-            setting.failures.append(f"no metrics from {spec['script']} ({e})")
-            return None
-    return record, out
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = launch_jobs(setting, args, flags, tmp)
+        got = []
+        for (code, out, err), (*_, metrics) in zip(run_all([job[:3] for job in jobs], args.timeout), jobs):
+            if code != 0:
+                last = (err.strip().splitlines() or ["no output"])[-1]
+                setting.failures.append(f"{spec['script']}: " + (f"timed out after {args.timeout:.0f} s"
+                                                                if code is None else f"exit {code}: {last}"))
+                return None
+            try:
+                with open(metrics) as f:
+                    got.append((json.load(f), out))
+            except (OSError, ValueError) as e:
+                setting.failures.append(f"no metrics from {spec['script']} ({e})")
+                return None
+    return got
 
 
 def launch_parts(setting, record):
@@ -405,10 +576,46 @@ def file_run(setting, record, out, device):
         if figure is not None:
             entry["runs"].append(figure)
             setting.how.add(how)
+            setting.steps.add(part.get("steps"))
         for key, value in figures.items():
             entry["figures"].setdefault(key, []).append(value)
     if not parts:
         setting.failures.append(f"{spec['script']} wrote no runs to its metrics")
+
+
+def file_limit(setting, got, device):
+    """File a limit launch: the sum of its N one-process runs' figures, each found as for any run."""
+    spec = setting.spec
+    found = [throughput_of(spec, record, out) for record, out in got]
+    if any(figure is None for figure, _ in found):
+        setting.failures.append(f"{spec['script']} wrote no positive {spec['key']} in a one-process run")
+        return
+    entry = setting.parts.setdefault(setting.mode, {
+        "world": setting.n, "threads": got[0][0].get("threads_per_process", expected_threads(setting, device)),
+        "runs": [], "figures": {}, "per_process": []})
+    entry["runs"].append(sum(figure for figure, _ in found))
+    entry["per_process"].append([figure for figure, _ in found])
+    setting.how.update(how for _, how in found)
+    setting.steps.update(record.get("steps") for record, _ in got)
+
+
+def workload_notes(settings):
+    """A note for each benchmark whose runs did not all take the same steps per process (scaling rows
+    and limit runs): weak scaling needs them equal."""
+    steps = {}
+    for s in (s for s in settings if s.section in ("scaling", "limit")):
+        steps.setdefault(s.name, {})[f"{s.section} N={s.n}"] = sorted(s.steps, key=str)
+    return [f"note: {name}: the runs took different steps per process ("
+            + ", ".join(f"{k}: {'/'.join(map(str, v))}" for k, v in found.items()) + "): E and the limit compare "
+            "unequal work" for name, found in steps.items()
+            if len({x for v in found.values() for x in v}) > 1]
+
+
+def file_launch(setting, got, device):
+    if setting.section == "limit":
+        file_limit(setting, got, device)
+    else:
+        file_run(setting, *got[0], device)
 
 
 # ---------------------------------------------------------------- results
@@ -419,24 +626,52 @@ def workers(row, device):
     return min(row["world_size"] * row["threads_per_process"], cores())
 
 
-def rows_from(settings, device):
-    """Median figures, then every row's per-worker efficiency against its benchmark's 1-worker row."""
-    rows = [row(s, mode, p) for s in settings for mode, p in s.parts.items()]
+def owned_rows(settings, device):
+    """[(setting, row)]: median figures, every row's per-worker efficiency against its benchmark's
+    1-worker row, and on the N-process scaling rows the limit launched beside them."""
+    owned = [(s, row(s, mode, p)) for s in settings if s.section != "limit" for mode, p in s.parts.items()]
+    rows = [r for _, r in owned]
     reference = {r["benchmark"]: r["throughput"] for r in rows
                  if r["section"] == "scaling" and r["world_size"] == 1}
     for r in rows:
         ref = reference.get(r["benchmark"])
         if ref and r["throughput"]:
             r["efficiency"] = r["throughput"] / (workers(r, device) * ref)
-    return rows
+    for s in (s for s in settings if s.section == "limit" and s.mode in s.parts):
+        for r in rows:
+            if (r["section"], r["benchmark"], r["world_size"], r["thread_policy"]) == \
+                    ("scaling", s.name, s.n, s.policy):
+                add_limit(r, s.parts[s.mode], reference.get(s.name), device)
+    return owned
+
+
+def add_limit(r, part, ref, device):
+    """limit_efficiency = the N one-process runs' summed figure / (N x the 1-process row's), and of_limit =
+    efficiency / limit_efficiency (the same N in both: throughput / the summed figure)."""
+    r["limit_runs"], r["limit_per_process"] = part["runs"], part["per_process"]
+    r["limit_throughput"] = statistics.median(part["runs"]) if part["runs"] else None
+    if ref and r["limit_throughput"]:
+        r["limit_efficiency"] = r["limit_throughput"] / (workers(r, device) * ref)
+        if r["efficiency"] is not None:
+            r["of_limit"] = r["efficiency"] / r["limit_efficiency"]
+
+
+def rows_from(settings, device):
+    return [r for _, r in owned_rows(settings, device)]
+
+
+def rows_of(setting, settings, device):
+    """The rows of one setting (none for a limit launch: its figures are on its scaling row)."""
+    return [r for s, r in owned_rows(settings, device) if s is setting]
 
 
 def row(setting, mode, part):
     runs = part["runs"]
     record = {"benchmark": setting.name, "mode": mode, "world_size": part["world"],
               "threads_per_process": part["threads"], "throughput": statistics.median(runs) if runs else None,
-              "unit": setting.spec["unit"], "efficiency": None, "section": setting.section,
-              "thread_policy": setting.policy, "runs": runs}
+              "unit": setting.spec["unit"], "efficiency": None, "limit_efficiency": None, "of_limit": None,
+              "section": setting.section, "thread_policy": setting.policy, "runs": runs,
+              "limit_throughput": None, "limit_runs": [], "limit_per_process": []}
     if part["figures"]:
         record["figures"] = {k: statistics.median(v) for k, v in part["figures"].items()}
     return record
@@ -447,20 +682,32 @@ def number(x):
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
+def table_header():
+    head = f"{'section':10} {'benchmark':12} {'mode':16} {'N':>3} {'threads':>8} {'policy':18} " \
+           f"{'throughput':>12} {'unit':10} {'eff.':>6} {'limit':>6} {'of lim.':>7}  runs"
+    return head + "\n" + "-" * len(head)
+
+
+def row_line(r):
+    """One row of the table; its runs, then the limit's (each the sum over its one-process runs)."""
+    ratio = {k: f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("efficiency", "limit_efficiency", "of_limit")}
+    threads = r["threads_per_process"] if r["threads_per_process"] is not None else "-"
+    figure = number(r["throughput"]) if r["throughput"] is not None else "-"
+    runs = " ".join(number(x) for x in r["runs"])
+    if r.get("limit_runs"):
+        runs += " | limit " + " ".join(number(x) for x in r["limit_runs"])
+    return (f"{r['section']:10} {r['benchmark']:12} {r['mode']:16} {r['world_size']:>3} {threads:>8} "
+            f"{r['thread_policy']:18} {figure:>12} {r['unit']:10} {ratio['efficiency']:>6} "
+            f"{ratio['limit_efficiency']:>6} {ratio['of_limit']:>7}  {runs}")
+
+
 def print_table(rows, notes, args, load_before):
     print(f"\nbench: {datetime.datetime.now().isoformat(timespec='minutes')} | {platform.node()} | "
           f"{cores()} cores | torch {torch.__version__} | {args.device} | median of {args.repeats} "
           f"| load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
-    head = f"{'section':10} {'benchmark':12} {'mode':16} {'N':>3} {'threads':>8} {'policy':18} " \
-           f"{'throughput':>12} {'unit':10} {'eff.':>6}  runs"
-    print(head + "\n" + "-" * len(head))
+    print(table_header())
     for r in rows:
-        eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else "-"
-        threads = r["threads_per_process"] if r["threads_per_process"] is not None else "-"
-        figure = number(r["throughput"]) if r["throughput"] is not None else "-"
-        print(f"{r['section']:10} {r['benchmark']:12} {r['mode']:16} {r['world_size']:>3} {threads:>8} "
-              f"{r['thread_policy']:18} {figure:>12} {r['unit']:10} {eff:>6}  "
-              f"{' '.join(number(x) for x in r['runs'])}")
+        print(row_line(r))
     for line in dict.fromkeys(summary_lines(rows, args.device) + notes):  # each note once
         print(line, flush=True)
 
@@ -474,11 +721,25 @@ def largest_scaling(rows):
     return top
 
 
+def efficiency_lines(rows, device):
+    """E(N) of each benchmark, with its limit and the share of it that DDP reaches."""
+    worker = "one GPU each" if device != "cpu" else "1 thread each against 1 process with 1 thread"
+    lines = []
+    for r in (r for r in rows if r["section"] == "scaling" and r["world_size"] > 1 and r["efficiency"] is not None):
+        limit = "" if r["of_limit"] is None else \
+            f", limit {r['limit_efficiency']:.2f}, {r['of_limit']:.2f} of the limit"
+        lines.append(f"{r['benchmark']}: E({r['world_size']}) = {r['efficiency']:.2f}{limit} "
+                     f"({r['world_size']} processes, {worker})")
+    if any(r["of_limit"] is not None for r in rows):
+        lines.append("limit: N one-process runs started at once with the per-process work of one rank, their "
+                     "summed throughput / (N x the 1-process row): what this machine gives N workers that never "
+                     "communicate; of the limit = E / limit, the share of that DDP reaches")
+    return lines
+
+
 def scaling_lines(rows, device):
     """E(N) of each benchmark and, on CPU, its N 1-thread processes against one process on every core."""
-    worker = "one GPU each" if device != "cpu" else "1 thread each against 1 process with 1 thread"
-    lines = [f"{r['benchmark']}: E({r['world_size']}) = {r['efficiency']:.2f} ({r['world_size']} processes, {worker})"
-             for r in rows if r["section"] == "scaling" and r["world_size"] > 1 and r["efficiency"] is not None]
+    lines = efficiency_lines(rows, device)
     top = largest_scaling(rows)
     for m in (r for r in rows if r["section"] == "machine"):
         r = top.get(m["benchmark"])
@@ -533,7 +794,8 @@ def write_json(path, record):
 
 # ---------------------------------------------------------------- main
 def runnable_settings(settings, args, notes):
-    """The settings whose script exists and has the flags it needs; a note for every other one."""
+    """The settings whose script exists and has the flags (and default text) it needs; a note for every
+    other one."""
     flags, runnable = {}, []
     for s in settings:
         script = s.spec["script"]
@@ -542,6 +804,8 @@ def runnable_settings(settings, args, notes):
             if why:
                 notes.append(f"skipped {script}: {why}")
         why = flags[script] is not None and command(s.spec, flags[script], args.device, s.n, args.quick)[1]
+        if not why and flags[script] is not None and s.spec.get("corpus") and default_text(s.spec) is None:
+            why = f"{script} has no {s.spec['corpus']}() giving its default text"
         if why:
             notes.append(f"skipped {s.name} ({s.section}): {why}")
         elif flags[script] is not None:
@@ -549,36 +813,51 @@ def runnable_settings(settings, args, notes):
     return runnable, flags
 
 
+def run_plan(runnable, flags, args, started):
+    """Every launch, the repeats going round the settings (a change in the machine's load spreads over
+    all of them): a progress line before each, and a setting's rows as soon as its last run is in."""
+    total = args.repeats * len(runnable)
+    for repeat in range(args.repeats):
+        last = repeat == args.repeats - 1
+        for i, s in enumerate(runnable):
+            print(f"[{repeat * len(runnable) + i + 1}/{total}] {s.section} {s.name} N={s.n} {s.policy} "
+                  f"(elapsed {time.monotonic() - started:.1f} s)", flush=True)
+            got = measure(s, args, flags[s.spec["script"]])
+            if got is not None:
+                file_launch(s, got, args.device)
+            done = rows_of(s, runnable, args.device) if last else []
+            if done and not args.header_printed:
+                print(table_header(), flush=True)
+                args.header_printed = True
+            for r in done:
+                print(row_line(r), flush=True)
+
+
 def main():
     args = check_args(parse_args())
-    # a SIGTERM unwinds like Ctrl-C, so the launch in flight is killed with its workers
+    # a SIGTERM unwinds like Ctrl-C, so the launch in flight is killed with all its processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    load_before = os.getloadavg()
+    started, load_before = time.monotonic(), os.getloadavg()
     if load_before[0] > cores() / 2:
         print(f"note: load average {load_before[0]:.2f} on {cores()} cores: other work is running, "
               f"the figures will not be representative", flush=True)
     notes = []
     runnable, flags = runnable_settings(plan(args), args, notes)
-    stopped = None
+    print_plan(runnable, args, time.monotonic() - started)
+    stopped, args.header_printed = None, False
     try:
-        # repeats go round the settings, so a change in the machine's load spreads over all of them
-        for repeat in range(args.repeats):
-            for s in runnable:
-                print(f"[{repeat + 1}/{args.repeats}] {s.section} {s.name} N={s.n} {s.policy}", flush=True)
-                got = measure(s, args, flags[s.spec["script"]])
-                if got is not None:
-                    file_run(s, *got, args.device)
+        run_plan(runnable, flags, args, started)
     except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C or SIGTERM: keep what was measured
         stopped = e.code if isinstance(e, SystemExit) else 130
         notes.append("INTERRUPTED: the table holds the runs finished so far")
     failures = [f"FAILED {s.section} {s.name} N={s.n} {s.policy}: {f}" for s in runnable for f in s.failures]
     notes += [f"note: {s.name} N={s.n}: {s.spec['key']} as {s.spec['script']} reports it (it writes no "
               f"steady_{s.spec['key']} and prints no epoch lines): warm-up may be included"
-              for s in runnable if "whole run" in s.how]
+              for s in runnable if "whole run" in s.how] + workload_notes(runnable)
     rows = rows_from(runnable, args.device)
     print_table(rows, notes + failures, args, load_before)
     write_json(args.out, rows)
-    print(f"wrote {len(rows)} rows to {os.path.abspath(args.out)}", flush=True)
+    print(f"wrote {len(rows)} rows to {os.path.abspath(args.out)} in {time.monotonic() - started:.0f} s", flush=True)
     if stopped is not None or failures:
         sys.exit(stopped or 1)
 

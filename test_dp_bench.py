@@ -1,15 +1,18 @@
 """dp_baseline.py learns and compares, bench.py writes well-formed results: run as users run them.
 
 Everything runs on CPU (the `launch` fixture hides the GPUs) in a temporary directory,
-bounded by a timeout. No test asserts a speed: only that the figures exist and are positive.
+bounded by a timeout. No test asserts a speed: only that the figures exist and are positive
+(and that two jobs of one launch start together).
 """
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -63,55 +66,137 @@ def test_compare_trains_both_modes_to_the_same_model(launch, script, metrics, tm
     assert out.stdout.strip().splitlines()[-1].startswith("done: dp_baseline.py")
 
 
-@pytest.mark.parametrize("cmd", [["dp_baseline.py", "--compare", "--batch_size", "255"],
-                                 ["dp_baseline.py", "--ddp", "--compare"],
-                                 ["bench.py", "--only", "mlp,nonesuch"]])
-def test_bad_input_is_one_line_and_exit_2(launch, script, cmd):
-    out = launch([sys.executable, script(cmd[0]), *cmd[1:]], timeout=120, check=False)
+def import_bench():
+    sys.path.insert(0, str(ROOT))
+    import bench
+    return bench
+
+
+def test_bad_input_is_one_line_and_exit_2(launch, script):
+    """The whole path once: a bad --only ends `python bench.py` before any launch, one line, exit 2."""
+    out = launch([sys.executable, script("bench.py"), "--only", "mlp,nonesuch"], timeout=120, check=False)
     assert out.returncode == 2, out
     assert out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1, out
-    assert "Traceback" not in out.stderr
+    assert "unknown benchmark(s) nonesuch" in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout == "", "nothing ran"
+
+
+def one_error_line(check, capsys):
+    """check() in this process: exit code 2 and one `error:` line on stderr, nothing else."""
+    with pytest.raises(SystemExit) as stop:
+        check()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,says", [(["--compare", "--batch_size", "255"], "does not split evenly"),
+                                       (["--ddp", "--compare"], "exclude each other")])
+def test_dp_baseline_bad_input_is_one_line_and_exit_2(argv, says, capsys, monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    import dp_baseline
+    monkeypatch.delenv("RANK", raising=False)  # rank 0 says it
+    assert says in one_error_line(lambda: dp_baseline.check_args(dp_baseline.parse_args(argv)), capsys)
+
+
+@pytest.mark.parametrize("argv,says", [(["--repeats", "0"], "--repeats must be a positive integer"),
+                                       (["--timeout", "0"], "--timeout must be positive"),
+                                       (["--max_nprocs", "999"], "--max_nprocs 999 does not fit"),
+                                       (["--all", "--only", "mlp,zer0"], "unknown benchmark(s) zer0")])
+def test_bench_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    bench = import_bench()
+    assert says in one_error_line(lambda: bench.check_args(bench.parse_args(argv)), capsys)
 
 
 def bench_command():
-    """`bash run.sh bench --quick`, the MLP only: its rows cover every section and the table's
-    plumbing (the ConvNet and Transformer rows take two more launches each, mostly start-up)."""
-    return ["bash", str(ROOT / "run.sh"), "bench", "--quick", "--only", "mlp,dp_vs_ddp"]
+    """`bash run.sh bench --quick`, the MLP only: its scaling rows and its limit (3 launches, mostly
+    start-up, about 30 s); every other section in the slow tier, and their arithmetic below on
+    made-up figures."""
+    return ["bash", str(ROOT / "run.sh"), "bench", "--quick", "--only", "mlp"]
 
 
-def test_bench_quick_writes_well_formed_results(launch, tmp_path):
-    out = launch(bench_command(), timeout=1200)
-    rows = json.loads((tmp_path / "bench_results.json").read_text())
+def assert_well_formed(rows, units=("samples/s", "tokens/s"), modes=("ddp", "plain", "dp")):
     assert isinstance(rows, list) and rows
     for row in rows:
         assert {"benchmark", "mode", "world_size", "threads_per_process", "throughput", "unit",
-                "efficiency"} <= row.keys(), row
-        assert row["mode"] in {"ddp", "plain", "dp"} and row["unit"] in {"samples/s", "tokens/s"}
+                "efficiency", "limit_efficiency", "of_limit"} <= row.keys(), row
+        assert row["mode"] in modes and row["unit"] in units
         assert isinstance(row["world_size"], int) and row["world_size"] >= 1
         assert isinstance(row["threads_per_process"], int) and row["threads_per_process"] >= 1  # CPU
         assert math.isfinite(row["throughput"]) and row["throughput"] > 0, row
         assert row["throughput"] == sorted(row["runs"])[len(row["runs"]) // 2]  # one run: its figure
         assert row["efficiency"] is None or row["efficiency"] > 0
+
+
+def assert_limit(row, one):
+    """An N-process scaling row's limit: N one-process runs summed, against N x the 1-process row."""
+    n = row["world_size"]
+    assert len(row["limit_per_process"]) == len(row["limit_runs"]) == len(row["runs"])
+    assert all(len(runs) == n and min(runs) > 0 for runs in row["limit_per_process"])
+    assert row["limit_runs"] == pytest.approx([sum(runs) for runs in row["limit_per_process"]])
+    assert row["limit_throughput"] == sorted(row["limit_runs"])[len(row["limit_runs"]) // 2]
+    assert row["limit_efficiency"] > 0
+    assert row["limit_efficiency"] == pytest.approx(row["limit_throughput"] / (n * one["throughput"]))
+    assert row["of_limit"] == pytest.approx(row["efficiency"] / row["limit_efficiency"])
+
+
+def test_bench_quick_writes_well_formed_results(launch, tmp_path):
+    out = launch(bench_command(), timeout=600)
+    rows = json.loads((tmp_path / "bench_results.json").read_text())
+    assert_well_formed(rows)
     by = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]): r for r in rows}
-    assert {("scaling", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"), ("scaling", "mlp", "ddp", 2, "OMP_NUM_THREADS=1"),
-            ("machine", "mlp", "ddp", 1, "auto"), ("threads", "mlp", "ddp", 2, "OMP_NUM_THREADS=2"),
-            ("dp_vs_ddp", "mlp", "plain", 1, "auto"), ("dp_vs_ddp", "mlp", "ddp", 2, "auto")} <= by.keys()
+    assert by.keys() == {("scaling", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"),
+                         ("scaling", "mlp", "ddp", 2, "OMP_NUM_THREADS=1")}
     assert {r["benchmark"] for r in rows} == {"mlp"}, "--only picks the benchmarks"
+    # the plan first, then a progress line before each launch, in order, with the time since the start
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("note: load average")]
+    assert lines[0].startswith("plan: 3 launches (3 settings x 1 repeat), 9 processes; about "), lines[0]
+    progress = [line for line in lines if line.startswith("[")]
+    assert [p.split(" (elapsed ")[0] for p in progress] == [
+        "[1/3] scaling mlp N=1 OMP_NUM_THREADS=1", "[2/3] limit mlp N=2 OMP_NUM_THREADS=1",
+        "[3/3] scaling mlp N=2 OMP_NUM_THREADS=1"]
+    elapsed = [float(p.split(" (elapsed ")[1].rstrip(" s)")) for p in progress]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
     # E(N) is per worker: N 1-thread processes against the 1 process x 1 thread row
     one, two = by["scaling", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"], by["scaling", "mlp", "ddp", 2, "OMP_NUM_THREADS=1"]
     assert (one["threads_per_process"], two["threads_per_process"], one["efficiency"]) == (1, 1, 1.0)
     assert two["efficiency"] == pytest.approx(two["throughput"] / (2 * one["throughput"]))
-    assert f"mlp: E(2) = {two['efficiency']:.2f} (2 processes, 1 thread each" in out.stdout
-    machine = by["machine", "mlp", "ddp", 1, "auto"]
-    assert machine["threads_per_process"] == len(os.sched_getaffinity(0))  # one process, every core
-    assert f"mlp: 2 processes x 1 thread = {two['throughput'] / machine['throughput']:.2f}x one process " \
-           f"using the whole machine" in out.stdout
+    assert (one["limit_efficiency"], one["of_limit"], one["limit_runs"]) == (None, None, [])
+    assert_limit(two, one)
+    assert f"mlp: E(2) = {two['efficiency']:.2f}, limit {two['limit_efficiency']:.2f}, {two['of_limit']:.2f} " \
+           f"of the limit (2 processes, 1 thread each" in out.stdout
+    # each row printed as soon as its last run is in (before the next launch), and again in the table
+    bench = import_bench()
+    for r, before in ((one, progress[1]), (two, "bench: ")):
+        line = bench.row_line(r)
+        assert out.stdout.count(line + "\n") == 2 and out.stdout.index(line) < out.stdout.index(before), line
+    assert f"{two['efficiency']:.2f}   {two['limit_efficiency']:.2f}    {two['of_limit']:.2f}  " in bench.row_line(two)
+    assert "different steps per process" not in out.stdout, "the limit runs took the steps of one rank"
 
 
-def import_bench():
-    sys.path.insert(0, str(ROOT))
-    import bench
-    return bench
+@pytest.mark.slow
+def test_bench_quick_all_sections(launch, tmp_path):
+    """Every section once, on tiny workloads: every benchmark's scaling rows and limit, the whole
+    machine, the thread policies, DP against DDP, the comm hooks and ZeRO."""
+    out = launch(["bash", str(ROOT / "run.sh"), "bench", "--quick", "--all"], timeout=1800)
+    rows = json.loads((tmp_path / "bench_results.json").read_text())
+    assert "FAILED" not in out.stdout and "skipped" not in out.stdout, out
+    assert_well_formed([r for r in rows if r["section"] not in ("comm_hooks", "zero")])
+    by = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]): r for r in rows}
+    for name in ("mlp", "convnet", "transformer"):
+        one, two = (by["scaling", name, "ddp", n, "OMP_NUM_THREADS=1"] for n in (1, 2))
+        assert_limit(two, one)
+        assert f"{name}: E(2) = {two['efficiency']:.2f}, limit {two['limit_efficiency']:.2f}" in out.stdout
+        machine = by["machine", name, "ddp", 1, "auto"]
+        assert machine["threads_per_process"] == len(os.sched_getaffinity(0))  # one process, every core
+        assert f"{name}: 2 processes x 1 thread = {two['throughput'] / machine['throughput']:.2f}x one process " \
+               f"using the whole machine" in out.stdout
+        assert ("threads", name, "ddp", 2, "OMP_NUM_THREADS=2") in by
+    assert {("dp_vs_ddp", "mlp", "plain", 1, "auto"), ("dp_vs_ddp", "mlp", "ddp", 2, "auto")} <= by.keys()
+    assert any(r["section"] == "comm_hooks" and r["figures"] for r in rows)
+    assert {r["mode"] for r in rows if r["section"] == "zero"} == {"ddp", "zero"}
+    assert "different steps per process" not in out.stdout, "every run of a benchmark took the same steps"
 
 
 def test_bench_efficiency_is_per_worker_against_one_process_with_one_thread():
@@ -131,6 +216,152 @@ def test_bench_efficiency_is_per_worker_against_one_process_with_one_thread():
     assert "transformer: E(2) = 0.90 (2 processes, 1 thread each against 1 process with 1 thread)" in lines
     assert any(line.startswith("transformer: 2 processes x 1 thread = 1.20x one process using the whole machine")
                for line in lines)
+
+
+def test_bench_limit_is_n_one_process_runs_summed_against_n_times_one_process():
+    """The limit's arithmetic on made-up figures: no launch, no timing."""
+    bench = import_bench()
+    spec = bench.BENCHMARKS["convnet"]
+    one, limit, two = (bench.Setting(section, "convnet", spec, n, 1)
+                       for section, n in (("scaling", 1), ("limit", 2), ("scaling", 2)))
+
+    def record(figure, steps=128):
+        return {"samples_per_s": figure, "steady_samples_per_s": figure, "threads_per_process": 1, "steps": steps}
+
+    for a, (b, c), d in ((100, (95, 97), 180), (90, (90, 100), 170), (110, (99, 99), 150)):
+        bench.file_run(one, dict(record(a), world_size=1), "", "cpu")
+        bench.file_launch(limit, [(dict(record(b), world_size=1), ""), (dict(record(c), world_size=1), "")], "cpu")
+        bench.file_run(two, dict(record(d), world_size=2), "", "cpu")
+    bench.file_launch(limit, [(dict(record(0), world_size=1), ""), (dict(record(99), world_size=1), "")], "cpu")
+    assert limit.failures == ["ddp_main.py wrote no positive samples_per_s in a one-process run"]  # no sum
+    rows = bench.rows_from([one, limit, two], "cpu")
+    assert [(r["section"], r["world_size"]) for r in rows] == [("scaling", 1), ("scaling", 2)]  # on the N row
+    assert bench.rows_of(limit, [one, limit, two], "cpu") == []
+    assert bench.rows_of(two, [one, limit, two], "cpu") == rows[1:]
+    first, second = rows
+    assert (first["limit_efficiency"], first["of_limit"], first["limit_runs"]) == (None, None, [])
+    assert second["limit_runs"] == [192, 190, 198] and second["limit_throughput"] == 192  # sums, their median
+    assert second["limit_per_process"] == [[95, 97], [90, 100], [99, 99]]
+    assert second["efficiency"] == pytest.approx(0.85)  # 170 / (2 x 100)
+    assert second["limit_efficiency"] == pytest.approx(0.96)  # 192 / (2 x 100)
+    assert second["of_limit"] == pytest.approx(0.85 / 0.96)  # = 170 / 192
+    lines = bench.summary_lines(rows, "cpu")
+    assert "convnet: E(2) = 0.85, limit 0.96, 0.89 of the limit (2 processes, 1 thread each against 1 process " \
+           "with 1 thread)" in lines, lines
+    line = bench.row_line(second)
+    assert "  0.85   0.96    0.89  180 170 150 | limit 192 190 198" in line, line
+    assert bench.workload_notes([one, limit, two]) == []
+    bench.file_run(two, dict(record(160, steps=64), world_size=2), "", "cpu")
+    assert bench.workload_notes([one, limit, two]) == [
+        "note: convnet: the runs took different steps per process (scaling N=1: 128, limit N=2: 128, "
+        "scaling N=2: 128/64): E and the limit compare unequal work"]
+
+
+# the workload flags that are global, N x one rank's share; every other one is per process, like the batch of
+# ddp_main.py (32) and ddp_transformer.py (8), left at their per-process defaults
+PER_RANK_SCALED = {"mlp": {"--batch_size", "--samples"}, "convnet": {"--train_samples"}, "transformer": set()}
+
+
+def test_bench_limit_runs_do_the_work_of_one_rank(tmp_path):
+    """Each concurrent one-process run has the flags of the 1-process row (own folder, own port, 1
+    thread), and those are one rank's share of the N-process run: what scales with N is global."""
+    bench = import_bench()
+    args = types.SimpleNamespace(device="cpu", quick=False)
+    for name, spec in bench.BENCHMARKS.items():
+        flags = {"--device", "--metrics", "--nprocs", "--data", *spec["required"], *spec["sizes"](1, False)}
+        jobs = {}
+        for section, n in (("scaling", 1), ("limit", 2), ("scaling", 2)):
+            (tmp_path / name / f"{section}{n}").mkdir(parents=True)
+            jobs[section, n] = bench.launch_jobs(bench.Setting(section, name, spec, n, 1), args, flags,
+                                                 str(tmp_path / name / f"{section}{n}"))
+        script = str(ROOT / spec["script"])
+        alone, [*limit], together = jobs["scaling", 1], jobs["limit", 2], jobs["scaling", 2]
+        assert len(alone) == len(together) == 1 and len(limit) == 2
+        assert len({env["MASTER_PORT"] for _, _, env, _ in limit}) == 2 and len({cwd for _, cwd, _, _ in limit}) == 2
+        assert all(env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "" for _, _, env, _ in limit)
+        for cmd, cwd, _, metrics in limit:
+            assert cmd[0] == sys.executable and metrics.startswith(cwd)
+            same = [a.replace(cwd, "CWD") for a in cmd[cmd.index(script):]]
+            assert same == [a.replace(alone[0][1], "CWD") for a in alone[0][0][alone[0][0].index(script):]]
+        one, two = ({flag: cmd[cmd.index(flag) + 1] for flag in (*spec["sizes"](1, False), "--data") if flag in cmd}
+                    for cmd in (alone[0][0], together[0][0]))
+        for flag in spec["sizes"](1, False):
+            assert int(two[flag]) == int(one[flag]) * (2 if flag in PER_RANK_SCALED[name] else 1), (name, flag)
+        if spec.get("corpus"):  # the Transformer: N copies of the text, the same steps within one epoch
+            text = bench.default_text(spec)
+            assert Path(one["--data"]).read_text() == text and Path(two["--data"]).read_text() == text * 2
+            assert (one["--epochs"], one["--max_steps"]) == ("1", "50") and len(text) * 0.9 // 128 // 8 >= 50
+
+
+def test_bench_default_plan_fits_and_the_rest_is_one_flag_away(capsys):
+    """By default: the scaling rows with their limit, 3 repeats, within 10 minutes by the plan's own
+    estimate; --threads, --extras and --all add the rest, and --help names them."""
+    bench = import_bench()
+    if bench.cores() < 2:
+        pytest.skip("needs 2 cores")
+
+    def sections(*argv):
+        args = bench.check_args(bench.parse_args(["--max_nprocs", "2", *argv]))
+        return args, [(s.section, s.name, s.n, s.policy) for s in bench.plan(args)]
+
+    args, default = sections()
+    one_core = "OMP_NUM_THREADS=1"
+    assert default == [(section, name, n, one_core) for name in ("mlp", "convnet", "transformer")
+                       for section, n in (("scaling", 1), ("limit", 2), ("scaling", 2))]
+    assert args.repeats == 3 and args.repeats * sum(bench.launch_estimate(s, args) for s in bench.plan(args)) < 480
+    bench.print_plan(bench.plan(args), args)
+    out = capsys.readouterr().out
+    assert out.startswith("plan: 27 launches (9 settings x 3 repeats), 75 processes; about "), out
+    assert "not in this run: --threads (the machine and threads sections); --extras (dp_vs_ddp, comm_hooks, " \
+           "zero); --all adds every section" in out
+    cores = f"OMP_NUM_THREADS={bench.cores()}"
+    threads = [(section, name, n, policy) for name in ("mlp", "convnet", "transformer")
+               for section, n, policy in (("machine", 1, "auto"), ("threads", 2, cores))]
+    extras = [("dp_vs_ddp", "mlp", 2, "auto"), ("comm_hooks", "comm_hooks", 2, "auto"), ("zero", "zero", 2, "auto"),
+              ("zero", "zero", 2, "auto")]
+    assert sorted(sections("--threads")[1]) == sorted(default + threads)
+    assert sections("--extras")[1] == default + extras
+    assert sorted(sections("--all")[1]) == sorted(default + threads + extras)
+    assert sorted(sections("--all", "--no-threads")[1]) == sorted(default + extras)
+    assert sections("--only", "mlp,dp_vs_ddp")[1] == default[:3] + extras[:1]
+    machine = next(s for s in bench.plan(sections("--threads")[0]) if s.section == "machine")
+    assert "OMP_NUM_THREADS" not in bench.launch_env("cpu", machine.omp, 1)  # the script splits the cores itself
+    assert bench.expected_threads(machine, "cpu") == bench.cores()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    usage = capsys.readouterr().out
+    assert all(flag in usage for flag in ("--threads", "--extras", "--all", "--quick")), usage
+
+
+def test_bench_reads_dp_vs_ddp_pair():
+    bench = import_bench()
+    pair = bench.Setting("dp_vs_ddp", "mlp", bench.COMPARE, 2, None)
+    bench.file_run(pair, {"world_size": 2, "compare": [
+        {"mode": "plain", "world_size": 1, "dp_devices": 0, "samples_per_s": 90, "steady_samples_per_s": 100,
+         "threads_per_process": 2},
+        {"mode": "ddp", "world_size": 2, "dp_devices": 0, "samples_per_s": 140, "steady_samples_per_s": 150,
+         "threads_per_process": 1}]}, "", "cpu")
+    rows = bench.rows_from([pair], "cpu")
+    assert [(r["mode"], r["world_size"], r["threads_per_process"], r["throughput"]) for r in rows] == [
+        ("plain", 1, 2, 100), ("ddp", 2, 1, 150)]
+    assert "dp_vs_ddp: ddp (2) / plain (1) = 1.50x at the same global batch" in bench.summary_lines(rows, "cpu")
+
+
+def test_bench_run_all_starts_together_and_kills_every_session(tmp_path):
+    """The jobs of a launch start at once; at the timeout every session goes, grandchildren too."""
+    bench = import_bench()
+    start = time.monotonic()
+    results = bench.run_all([(["sleep", "1"], tmp_path, cpu_env())] * 2, timeout=60)
+    assert [code for code, _, _ in results] == [0, 0] and time.monotonic() - start < 1.9
+    job = (["bash", "-c", "sleep 60 & echo $!; echo $$; wait"], tmp_path, cpu_env())
+    results = bench.run_all([job, job], timeout=1)
+    assert [code for code, _, _ in results] == [None, None]
+    pids = [int(pid) for _, out, _ in results for pid in out.split()]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)]
 
 
 def test_bench_reads_comm_hook_and_zero_figures_and_skips_missing_scripts(monkeypatch):
@@ -206,21 +437,39 @@ def alive(pid):
         return False
 
 
+def spawned(pids):
+    """The mp.spawn workers among `pids`."""
+    found = []
+    for pid in pids:
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
 def test_bench_stopped_mid_launch_leaves_no_process_behind(tmp_path):
-    """SIGTERM to bench while a DDP launch runs: the launch and its workers go with it."""
+    """SIGTERM to bench while its limit launch runs (two one-process worlds at once, each an
+    mp.spawn parent and its worker): every process of every job goes, and the table keeps the
+    runs finished before."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench.py"), "--quick", "--only", "mlp"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=cpu_env(), start_new_session=True)
-    workers = []
+    workers = set()
     try:
-        assert any(line.startswith("[1/1] scaling mlp N=1") for line in proc.stdout)
+        assert any(line.startswith("[2/3] limit mlp N=2") for line in proc.stdout)
         deadline = time.monotonic() + 120
-        while len(descendants(proc.pid)) < 2 and time.monotonic() < deadline:  # the launcher and its worker
+        while len(spawned(workers)) < 2 and time.monotonic() < deadline:  # both jobs' workers are up
+            workers.update(descendants(proc.pid))
             time.sleep(0.2)
-        workers = descendants(proc.pid)
-        assert len(workers) >= 2, "the launch never started its worker"
+        assert len(spawned(workers)) >= 2, f"the limit launch never started both workers: {workers}"
+        assert len(workers) >= 4  # two launchers, two workers
         proc.terminate()
-        assert proc.wait(timeout=60) != 0
+        assert proc.wait(timeout=60) == 143
+        rest = proc.stdout.read()
+        assert "INTERRUPTED: the table holds the runs finished so far" in rest, rest
+        assert re.search(r"^scaling +mlp +ddp +1 ", rest, re.MULTILINE), rest  # the 1-process row, measured
         deadline = time.monotonic() + 10
         while any(alive(p) for p in workers) and time.monotonic() < deadline:
             time.sleep(0.2)
