@@ -370,7 +370,9 @@ def test_hand_launch_master_port_in_use_is_named(launch, tmp_path):
 # test_scripts.py::test_two_spawn_jobs_at_once_and_steps_per_epoch (its launches also count steps)
 
 
-# ---------------------------------------------------------------- 8. clean exits, 20 in a row (slow)
+# ---------------------------------------------------------------- 8. clean exits, 10 in a row (slow)
+# 10 launches of each of 7 scripts, 70 exits (20 each took 2,205 s of the slow tier's 3,390 s of test time).
+# Before the release of DDP ahead of the group, 2 of 8 launches aborted: 10 in a row catch that with 94%.
 SOAK = {
     "ddp_minimal.py": [sys.executable, ROOT / "ddp_minimal.py", "--device", "cpu"],
     "ddp_gpus.py": [sys.executable, ROOT / "ddp_gpus.py", "--device", "cpu", "-e", "1"],
@@ -387,12 +389,12 @@ SOAK = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SOAK))
-def test_twenty_clean_exits_in_a_row(name, tmp_path):
-    for i in range(20):
+def test_ten_clean_exits_in_a_row(name, tmp_path):
+    for i in range(10):
         work = tmp_path / str(i)
         work.mkdir()
         r = run_bounded(SOAK[name], work, timeout=120, check=False)
-        assert r.returncode == 0 and "terminate called" not in r.stderr, f"launch {i + 1}/20\n{r}"
+        assert r.returncode == 0 and "terminate called" not in r.stderr, f"launch {i + 1}/10\n{r}"
 
 
 # ---------------------------------------------------------------- 9. Ctrl-C
