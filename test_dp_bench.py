@@ -37,6 +37,7 @@ def assert_learned(record, epochs):
     assert record["peak_memory_mb"] > 0
 
 
+@pytest.mark.slow  # the default suite: --compare below trains the same plain run (and DDP) and checks both learn
 def test_dp_baseline_learns_on_cpu(launch, script, metrics, tmp_path):
     out = launch([sys.executable, script("dp_baseline.py"), "--device", "cpu", "--metrics", "m.json"],
                  timeout=300)
@@ -63,6 +64,7 @@ def test_compare_trains_both_modes_to_the_same_model(launch, script, metrics, tm
     assert single["steps"] == ddp["steps"]
     assert ddp["losses"] == pytest.approx(single["losses"], abs=1e-3)
     assert "peak memory per process" in out.stdout and "replicas: in sync" in out.stdout
+    assert "DataParallel needs two or more GPUs" in out.stdout  # the single run on CPU: the plain module
     assert out.stdout.strip().splitlines()[-1].startswith("done: dp_baseline.py")
 
 
