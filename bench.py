@@ -100,7 +100,7 @@ def mlp_sizes(n, quick):
 def convnet_sizes(n, quick):
     # ddp_main.py's --batch_size (32) is per process: N x 4096 samples are 128 steps per process at any N
     per_process = 512 if quick else 4096
-    return {"--epochs": 2 if quick else 4, "--train_samples": per_process * n,
+    return {"--epochs": 2 if quick else 3, "--train_samples": per_process * n,
             "--test_samples": 128 if quick else 1000}
 
 
@@ -108,7 +108,7 @@ def transformer_sizes(n, quick):
     # the same steps per process at any N, within one epoch: with N copies of the text (corpus_args)
     # an epoch is 106 steps per process at any N (8 windows of 128 characters a step), so every run
     # writes one checkpoint, which the script times with its steps
-    return {"--max_steps": 5 if quick else 50, "--epochs": 1, "--sample": 0, "--log_every": 0}
+    return {"--max_steps": 5 if quick else 40, "--epochs": 1, "--sample": 0, "--log_every": 0}
 
 
 def short_sizes(n, quick):
@@ -127,10 +127,10 @@ BENCHMARKS = {
                 key="samples_per_s", unit="samples/s", sizes=mlp_sizes, work_s=(3, 0.5)),
     "convnet": dict(script="ddp_main.py", launcher="spawn", required=["--dataset", "synthetic"],
                     kind="throughput", key="samples_per_s", unit="samples/s", sizes=convnet_sizes,
-                    work_s=(12, 1)),
+                    work_s=(9, 1)),
     "transformer": dict(script="ddp_transformer.py", launcher="torchrun", required=[], kind="throughput",
                         key="tokens_per_s", unit="tokens/s", sizes=transformer_sizes, steady=True,
-                        corpus="default_corpus", work_s=(7, 2)),
+                        corpus="default_corpus", work_s=(5.6, 2)),
 }
 COMPARE = dict(script="dp_baseline.py", launcher="spawn", required=["--compare"], kind="compare",
                key="samples_per_s", unit="samples/s", sizes=mlp_sizes, work_s=(12, 5))
