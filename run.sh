@@ -16,14 +16,18 @@ PY="${PYTHON:-python3}"
 if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=("$PY" -m torch.distributed.run); fi
 
 # ---------------------------------------------------------------- machine
-NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
-if [ "$NGPU" -gt 0 ]; then
-    N="$NGPU"; DEVICE=cuda; SMALL=(); TEST_SAMPLES="(10000 if m['dataset'] == 'mnist' else 1000)"
-else
-    # on CPU the MNIST modes train on part of the (synthetic) data: the launch is the lesson. 501 test
-    # samples: 2 ranks do not divide it, so a sampler that padded (and counted one sample twice) would show
-    N=2; DEVICE=cpu; SMALL=(--train_samples 1500 --test_samples 501); TEST_SAMPLES=501
-fi
+# detect_machine: N processes on DEVICE. Called only when modes run or are listed: importing
+# torch takes seconds, which `bash run.sh bench` and a mistyped mode need not wait for.
+detect_machine() {
+    NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+    if [ "$NGPU" -gt 0 ]; then
+        N="$NGPU"; DEVICE=cuda; SMALL=(); TEST_SAMPLES="(10000 if m['dataset'] == 'mnist' else 1000)"
+    else
+        # on CPU the MNIST modes train on part of the (synthetic) data: the launch is the lesson. 501 test
+        # samples: 2 ranks do not divide it, so a sampler that padded (and counted one sample twice) would show
+        N=2; DEVICE=cpu; SMALL=(--train_samples 1500 --test_samples 501); TEST_SAMPLES=501
+    fi
+}
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/ddp-run.XXXXXX")"
 cleanup() {
@@ -94,7 +98,7 @@ run_spawn() {
     "$PY" "$HERE/ddp_gpus.py" --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
 }
 
-mode torchrun "ddp_gpus_torchrun.py: torchrun --standalone --nproc-per-node=$N"
+mode torchrun "ddp_gpus_torchrun.py: torchrun --standalone --nproc-per-node=N"
 run_torchrun() {
     "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_gpus_torchrun.py" \
         --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
@@ -113,7 +117,7 @@ run_launch() {
         --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
 }
 
-mode manual "ddp_gpus_torchrun.py: $N processes started by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
+mode manual "ddp_gpus_torchrun.py: N processes started by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
 run_manual() {
     # the seeds' two-machine recipe on one machine: each process is told its place in the job
     local port pids=() r
@@ -171,7 +175,7 @@ run_main() {
             "m['test_samples'] == $TEST_SAMPLES"
 }
 
-mode main-torchrun "ddp_main_torchrun.py: torchrun --standalone --nproc_per_node=$N --gpu 0,..,$((N - 1))"
+mode main-torchrun "ddp_main_torchrun.py: torchrun --standalone --nproc_per_node=N --gpu 0,..,N-1"
 run_main-torchrun() {
     "${TORCHRUN[@]}" --standalone --nproc_per_node="$N" "$HERE/ddp_main_torchrun.py" \
         --gpu "$(seq -s, 0 $((N - 1)))" "${SMALL[@]}" --metrics m.json \
@@ -203,7 +207,7 @@ run_main-resume() {
             "abs(m['test_accuracy'] - $("$PY" -c 'import json; print(json.load(open("m.json"))["test_accuracy"])')) < 0.005"
 }
 
-mode transformer "ddp_transformer.py: torchrun --standalone --nproc-per-node=$N, character LM on the stdlib"
+mode transformer "ddp_transformer.py: torchrun --standalone --nproc-per-node=N, character LM on the stdlib"
 run_transformer() {
     "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_transformer.py" --sample 100 --metrics m.json \
         && check_metrics m.json "m['val_loss'] < m['first_val_loss'] - 1" "m['val_loss'] < m['unigram_entropy']"
@@ -318,7 +322,8 @@ run_netns-elastic() {
 # ---------------------------------------------------------------- driver
 usage() {
     echo "usage: bash run.sh [MODE...]    (no MODE: every mode under 'modes')"
-    echo "machine: $N x $DEVICE"
+    detect_machine
+    echo "machine: N = $N processes on $DEVICE"
     echo "modes:"
     for m in "${MODES[@]}"; do printf '  %-18s %s\n' "$m" "${DESC[$m]}"; done
     echo "run only when named:"
@@ -342,6 +347,7 @@ main() {
         esac
     done
     [ ${#selected[@]} -eq 0 ] && selected=("${MODES[@]}")
+    detect_machine
     echo "run.sh: ${#selected[@]} mode(s) on $N x $DEVICE | work files in $WORK"
     for m in "${selected[@]}"; do
         echo

@@ -97,11 +97,11 @@ def test_spawn_learns_and_replicas_agree(run_sh):
 
 
 def test_two_spawn_jobs_at_once_and_steps_per_epoch(script, tmp_path):
-    """Two mp.spawn jobs started at the same moment (each picks its own free port) both finish; the one of
-    3 processes has ceil(2048 / (32 x 3)) steps per epoch on every rank (2 processes: run.sh's spawn mode;
-    1 process: test_torchrun_script_as_plain_python)."""
+    """Two mp.spawn jobs started at the same moment (each picks its own free port) both finish, and
+    steps per epoch = ceil(2048 / (32 x processes)) on every rank: 64 for the job of 1 process, 22 for
+    the one of 3 (2 processes: run.sh's spawn mode, 32)."""
     jobs = []
-    for nprocs in (3, 2):
+    for nprocs in (3, 1):
         work = tmp_path / f"n{nprocs}"
         work.mkdir()
         cmd = [sys.executable, script("ddp_gpus.py"), "-e", "2", "-b", "32", "--device", "cpu", "--nprocs", nprocs,
@@ -122,6 +122,9 @@ def test_two_spawn_jobs_at_once_and_steps_per_epoch(script, tmp_path):
     assert m["world_size"] == 3 and m["replicas_in_sync"] is True
     assert set(re.findall(r"\[CPU: (\d)\] Epoch: 1 \| Batchsize: 32 \| Steps: (\d+)", results[0][0][0])) == {
         (str(rank), str(expected)) for rank in range(3)}
+    one = read_metrics(tmp_path / "n1" / "m.json")
+    assert (one["world_size"], one["steps_per_epoch"], one["steps"]) == (1, 64, 128), one
+    assert one["final_loss"] < one["first_loss"], one
 
 
 # ---------------------------------------------------------------- ddp_gpus_torchrun.py
@@ -149,6 +152,7 @@ def test_snapshot_resume_is_exact(launch, script, torchrun, tmp_path):
     model.load_state_dict(snap["model"])  # no `module.` prefix
 
 
+@pytest.mark.slow  # the default suite: test_mnist_train_checkpoint_resume resumes with plain python, a world of one
 def test_torchrun_script_as_plain_python(launch, script, tmp_path):
     launch([sys.executable, script("ddp_gpus_torchrun.py"), "--device", "cpu", "-e", "3",
             "--snapshot_path", tmp_path / "s.pt", "--metrics", tmp_path / "m.json"], timeout=60)
@@ -156,10 +160,11 @@ def test_torchrun_script_as_plain_python(launch, script, tmp_path):
     assert m["world_size"] == 1 and m["steps_per_epoch"] == 64 and m["final_loss"] < m["first_loss"]
 
 
+@pytest.mark.slow  # the default suite: run.sh's manual mode is this launch, among its 12 launches in a row
 def test_clean_exit_two_launches_in_a_row(script, tmp_path):
     """The exit-time abort of the contract: consecutive 2-rank launches must all exit 0, silently
-    (besides the 12 launch modes of run.sh, each checked for exit 0; test_faults.py's slow soak
-    launches every script 10 times)."""
+    (the default suite: the 12 launch modes of run.sh, one after the other, each checked for
+    exit 0; test_faults.py's slow soak launches every script 10 times)."""
     for i in range(2):
         port = free_port()
         procs = [subprocess.Popen([sys.executable, script("ddp_gpus_torchrun.py"), "--device", "cpu", "-e", "1",
@@ -196,10 +201,12 @@ def test_bad_arguments_one_line_exit_2_in_process(args, says, capsys):
     assert "(" in lines[0], "the error names the fix"
 
 
+# one launch per kind of script (mp.spawn, torchrun) by default: each costs seconds of start-up, and
+# the checks themselves run in process above and below
 @pytest.mark.parametrize("name,args,says", [
     ("ddp_gpus.py", ["--device", "cuda"], "no GPU"),
-    ("ddp_gpus.py", ["--backend", "nccl"], "nccl"),
-    ("ddp_minimal.py", ["--nprocs", "-2"], "--nprocs"),
+    pytest.param("ddp_gpus.py", ["--backend", "nccl"], "nccl", marks=pytest.mark.slow),
+    pytest.param("ddp_minimal.py", ["--nprocs", "-2"], "--nprocs", marks=pytest.mark.slow),
     ("ddp_gpus_torchrun.py", ["--max_epochs", "0"], "--epochs"),
 ])
 def test_bad_input_one_line_exit_2(launch, script, name, args, says):
@@ -208,6 +215,16 @@ def test_bad_input_one_line_exit_2(launch, script, name, args, says):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], str(r)
     assert "(" in lines[0], "the error names the fix"
+
+
+def test_minimal_bad_nprocs_is_one_line_in_process(monkeypatch, capsys):
+    """ddp_minimal.py's own check (it has no harness), in this process."""
+    import ddp_minimal
+    monkeypatch.setattr(sys, "argv", ["ddp_minimal.py", "--device", "cpu", "--nprocs", "-2"])
+    with pytest.raises(SystemExit) as exited:
+        ddp_minimal.main()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: --nprocs -2"), lines
 
 
 # ---------------------------------------------------------------- in-process DDP with gloo
@@ -510,13 +527,15 @@ def striped_digits(n, seed):
 
 def test_mnist_files_and_bf16(launch, script, metrics, tmp_path):
     """--dataset mnist reads IDX files written here through torchvision's MNIST, with no network;
-    --amp bf16 trains on CPU and really runs in bf16 (its test loss differs from fp32's)."""
+    --amp bf16 trains on CPU and really runs in bf16 (its test loss differs from fp32's). One
+    process (the torchrun sibling as plain python, whose data code is ddp_main.py's): the data
+    path is the point here, and run.sh trains both siblings on 2 ranks."""
     raw = tmp_path / "data" / "MNIST" / "raw"
     train_images, train_labels = striped_digits(640, seed=1)
     test_images, test_labels = striped_digits(101, seed=2)
     write_idx(raw, "train", train_images, train_labels)
     write_idx(raw, "t10k", test_images, test_labels)
-    result = launch([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "2", "--dataset", "mnist",
+    result = launch([sys.executable, script("ddp_main_torchrun.py"), "--device", "cpu", "--dataset", "mnist",
                      "--data", str(tmp_path / "data"), "-e", "2", "--amp", "bf16", "--metrics", "m.json"],
                     timeout=MNIST_TIMEOUT, env=offline_env())
     m = metrics(tmp_path / "m.json")
@@ -795,12 +814,17 @@ def test_transformer_help_lists_the_flags(capsys, monkeypatch):
     assert "epochs of the default corpus" in " ".join(out.split())
 
 
-def test_transformer_too_short_corpus_is_one_clear_error(launch, script, torchrun, tmp_path):
+def test_transformer_too_short_corpus_is_one_clear_error(launch, script, torchrun, tmp_path, capsys):
     (tmp_path / "short.txt").write_text("print('hello')\n" * 3)
-    plain = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--data", "short.txt"],
-                   timeout=120, check=False)
-    assert plain.returncode == 2, plain
-    assert plain.stderr.strip().splitlines() == error_lines(plain.stderr) and len(error_lines(plain.stderr)) == 1
-    assert "--block_size" in plain.stderr and "Traceback" not in plain.stderr, plain
+    # the check, in this process: one line, exit 2
+    args = ddp_transformer.check_args(ddp_transformer.parse_args(["--device", "cpu", "--data",
+                                                                  str(tmp_path / "short.txt")]))
+    with pytest.raises(SystemExit) as exited:
+        ddp_transformer.read_corpus(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and lines == error_lines("\n".join(lines)) and len(lines) == 1, lines
+    assert "--block_size" in lines[0]
+    # through torchrun, 2 ranks that both read the file: still one line, from rank 0
     ranks = launch(torchrun2(torchrun, script, "--data", "short.txt"), timeout=120, check=False)
     assert ranks.returncode != 0 and len(error_lines(ranks.stderr)) == 1, ranks
+    assert "--block_size" in error_lines(ranks.stderr)[0], ranks
