@@ -145,7 +145,9 @@ KILL_CASES = {
     "ddp_transformer.py": (["--epochs", "3", "--sample", "0", "--log_every", "0", "--amp", "off"], "--checkpoint",
                            "model"),
 }
-SLOW_KILL = {"ddp_main_torchrun.py", "ddp_transformer.py"}  # the linear model's case runs in CI
+# all three in the slow tier: the default suite checks run.sh's restart mode (the linear model, a
+# worker killed under torchrun --max-restarts) against one_process_reference below
+SLOW_KILL = {"ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py"}
 
 
 def _weights(path, key):

@@ -312,9 +312,10 @@ def script_args(name):
     return SCRIPTS[name]
 
 
-# the launch is the same for every torchrun script: the default suite runs it with one, CI's slow tier with both
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "ddp_transformer.py" else n
-                                  for n in SCRIPTS])
+# the slow tier, for both scripts: the default suite runs the same two-agent launch in run.sh's nodes
+# mode (one machine), and two hosts with 2 processes each in test_c10d_elastic_two_hosts below
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCRIPTS))
 def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
     """`--nnodes=2 --node-rank=0/1 --master-addr=<host0's address>`: the classic two-node launch."""
     args, nproc = script_args(name)
@@ -331,8 +332,9 @@ def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
 
 
 def test_c10d_elastic_two_hosts(hosts, tmp_path):
-    """`--rdzv-backend=c10d --nnodes=1:2`: host 1 arrives late but within the last call, both train."""
-    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"][0], 1  # one process per host: a world of 2
+    """`--rdzv-backend=c10d --nnodes=1:2`: host 1 arrives late but within the last call, both train,
+    2 processes each: host 1's local ranks 0 and 1 are global ranks 2 and 3."""
+    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"]
     metrics = tmp_path / "metrics.json"
     before = [hosts.veth_bytes(i) for i in range(2)]
     # host 0 hosts the c10d store: its hostname resolves to 10.77.0.1, the endpoint's address.

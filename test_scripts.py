@@ -96,6 +96,21 @@ def test_spawn_learns_and_replicas_agree(run_sh):
     assert "replicas: in sync (2 ranks" in out
 
 
+def test_restart_mode_ends_with_the_weights_of_the_uninterrupted_run(run_sh):
+    """run.sh's restart mode (torchrun --max-restarts=3, a worker SIGKILLed once the first snapshot
+    exists) resumes from its snapshot and ends with the weights that an uninterrupted 2-rank run
+    computes, here in one process (test_faults.py kills by hand in the slow tier, for every script)."""
+    from test_faults import one_process_reference
+    out, m = mode_output(run_sh, "restart"), mode_metrics(run_sh, "restart")
+    assert ">>> snapshot written; killing worker" in out
+    assert m["restarts"] >= 1 and m["resumed_from_epoch"] >= 1 and m["epochs"] == 4, m
+    resumed = torch.load(run_sh.work / "restart" / "snapshot.pt", map_location="cpu", weights_only=True)
+    assert resumed["epochs_run"] == 4, resumed["epochs_run"]
+    reference = one_process_reference(["--max_epochs", "4", "--samples", "8192", "--batch_size", "16"])
+    for name, value in reference.items():
+        assert torch.allclose(resumed["model"][name], value, rtol=1e-5, atol=1e-6), name
+
+
 def test_two_spawn_jobs_at_once_and_steps_per_epoch(script, tmp_path):
     """Two mp.spawn jobs started at the same moment (each picks its own free port) both finish, and
     steps per epoch = ceil(2048 / (32 x processes)) on every rank: 64 for the job of 1 process, 22 for
