@@ -182,7 +182,7 @@ run_main-torchrun() {
         && check_metrics m.json "m['world_size'] == $N" "m['test_accuracy'] > 0.9" "m['final_loss'] < m['first_loss']"
 }
 
-mode main-manual "ddp_main_torchrun.py: 2 processes started by hand with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
+extra_mode main-manual "ddp_main_torchrun.py: 2 processes started by hand with RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT"
 run_main-manual() {
     # the seed's multi-machine recipe on one machine: each process is told its place in the job
     local port pids=() r dev=()

@@ -39,9 +39,9 @@ from ddp_transformer import Transformer
 
 # ================================================================ foundation: ddp_minimal.py, ddp_gpus*.py, run.sh
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart",
-                "main", "main-torchrun", "main-manual", "transformer"]
+                "main", "main-torchrun", "transformer"]
 # run only when named: bench in test_dp_bench.py, the others in slow tests below
-RUN_SH_EXTRA = ["bench", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
+RUN_SH_EXTRA = ["bench", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
                 "netns", "netns-elastic"]
 
 
@@ -365,9 +365,10 @@ def test_run_sh_help_lists_every_tested_mode(launch):
 
 @pytest.mark.slow
 def test_run_sh_feature_modes_pass(launch):
-    """resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each also has its
-    own test (here, test_uneven.py, test_comm_hooks.py)."""
-    modes = ["main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
+    """the MNIST hand-made launch (the default suite: run.sh's manual mode, the same launch of the linear
+    model), resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each
+    also has its own test (here, test_uneven.py, test_comm_hooks.py)."""
+    modes = ["main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
     r = launch(["bash", ROOT / "run.sh", *modes], timeout=600)
     assert f"{len(modes)} passed, 0 failed" in r.stdout, str(r)
 
@@ -483,7 +484,7 @@ exit $rc
 
 
 # world 1 and 2 also in the default suite: test_mnist_train_checkpoint_resume evaluates 1001 samples on 2
-# spawned ranks and on one process, each against its checkpoint; run.sh's main-manual is the hand-made launch
+# spawned ranks and on one process, each against its checkpoint; run.sh's manual mode is the hand-made launch
 @pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow),
                                         3])
 def test_mnist_exact_evaluation(world_size, launch, script, metrics, torchrun, tmp_path):
