@@ -376,7 +376,8 @@ def launch_jobs(setting, args, flags, tmp):
         cwd = os.path.join(tmp, f"run{i}")  # the job's cwd: its checkpoints go with it
         os.mkdir(cwd)
         metrics = os.path.join(cwd, "metrics.json")
-        cmd = command(setting.spec, flags, args.device, world, args.quick, plain=limit)[0]
+        # a one-process world runs as plain `python`: the same run as under torchrun, without its agent
+        cmd = command(setting.spec, flags, args.device, world, args.quick, plain=limit or world == 1)[0]
         env = launch_env(args.device, setting.omp, world)
         if limit:
             env["MASTER_PORT"] = str(ports[i])  # the script hosts its own rendezvous there
@@ -464,9 +465,10 @@ def plan(args):
 
 def processes(setting):
     """(launchers, workers) a launch starts: a limit launch N one-process worlds (mp.spawn: a parent and
-    its child each; a torchrun script: one plain process), any other launch one launcher and N workers."""
+    its child each; a torchrun script: one plain process), any other launch one launcher and N workers
+    (a torchrun script at N = 1: one plain process)."""
     if setting.section != "limit":
-        return 1, setting.n
+        return (0 if setting.n == 1 and setting.spec["launcher"] != "spawn" else 1), setting.n
     return (setting.n, setting.n) if setting.spec["launcher"] == "spawn" else (0, setting.n)
 
 

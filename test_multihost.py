@@ -312,8 +312,9 @@ def script_args(name):
     return SCRIPTS[name]
 
 
-# the slow tier, for both scripts: the default suite runs the same two-agent launch in run.sh's nodes
-# mode (one machine), and two hosts with 2 processes each in test_c10d_elastic_two_hosts below
+# the slow tier, for both scripts (2 processes per host: host 1's local ranks 0, 1 are global 2, 3): the
+# default suite runs the same two-agent launch in run.sh's nodes mode (one machine, 1 process per
+# agent on CPU), and two hosts in test_c10d_elastic_two_hosts below
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
@@ -332,9 +333,8 @@ def test_static_rendezvous_two_hosts(hosts, tmp_path, name):
 
 
 def test_c10d_elastic_two_hosts(hosts, tmp_path):
-    """`--rdzv-backend=c10d --nnodes=1:2`: host 1 arrives late but within the last call, both train,
-    2 processes each: host 1's local ranks 0 and 1 are global ranks 2 and 3."""
-    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"]
+    """`--rdzv-backend=c10d --nnodes=1:2`: host 1 arrives late but within the last call, both train."""
+    args, nproc = SCRIPTS["ddp_gpus_torchrun.py"][0], 1  # one process per host: a world of 2
     metrics = tmp_path / "metrics.json"
     before = [hosts.veth_bytes(i) for i in range(2)]
     # host 0 hosts the c10d store: its hostname resolves to 10.77.0.1, the endpoint's address.
