@@ -167,8 +167,9 @@ def parse_args(argv=None):
                    help="also dp_vs_ddp, comm_hooks and zero (default: off)")
     p.add_argument("--all", action="store_true",
                    help="every section: --threads and --extras (about 2.5x as long as the default)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto (default): the GPUs when there are any, else CPU")
+    p.add_argument("--device", default="auto", metavar="auto|cuda|cpu",
+                   help="auto (default): the accelerator torch finds, else CPU. CUDA or CPU only: each "
+                        "worker gets its own GPU through CUDA_VISIBLE_DEVICES, which only CUDA reads")
     p.add_argument("--max_nprocs", type=int, default=None, metavar="N",
                    help="largest process count, for every section (default: the GPU count; on CPU 2, "
                         "at most the cores: one core per process)")
@@ -199,9 +200,12 @@ def check_args(args):
     unknown = sorted(set(args.only) - {*BENCHMARKS, *EXTRAS})
     if unknown:
         fail(f"unknown benchmark(s) {', '.join(unknown)}", f"pick from {', '.join([*BENCHMARKS, *EXTRAS])}")
-    gpus = torch.cuda.device_count()
-    if args.device == "auto":
-        args.device = "cuda" if gpus > 0 else "cpu"
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    args.device = (found.type if found else "cpu") if args.device == "auto" else args.device
+    if args.device not in ("cuda", "cpu"):
+        fail(f"bench.py runs on cuda or cpu, not {args.device}: it gives each worker its own GPU through "
+             "CUDA_VISIBLE_DEVICES, which only CUDA reads", "pass --device cpu, or run the scripts themselves there")
+    gpus = torch.accelerator.device_count() if found is not None and found.type == "cuda" else 0
     if args.device == "cuda" and gpus == 0:
         fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
     limit = gpus if args.device == "cuda" else cores()  # one GPU, or one core, per worker

@@ -100,10 +100,10 @@ def add_job_args(p):
     p.add_argument("--gpu", default=None, metavar="IDS",
                    help="GPUs to use, e.g. 0,1: indices into CUDA_VISIBLE_DEVICES when it is set, "
                         "else GPU numbers (default: every visible GPU)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto: CUDA when available, else CPU")
-    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: nccl on CUDA, gloo on CPU")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
+                   help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
+    p.add_argument("--backend", default="auto", metavar="auto|NAME",
+                   help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
     p.add_argument("--checkpoint", default="ddp_checkpoint.pt", metavar="PATH",
                    help="checkpoint written by rank 0 after every epoch")
     p.add_argument("--resume", action="store_true", help="continue training from --checkpoint")
@@ -121,29 +121,26 @@ def check_args(args):
         fail(f"--workers must be 0 or more, got {args.workers}", "pass --workers 0")
     if (args.resume or args.evaluate) and not os.path.isfile(args.checkpoint):
         fail(f"no checkpoint at {args.checkpoint} to {'evaluate' if args.evaluate else 'resume'}",
-             "train first, or point --checkpoint at one")
+             "train first, or point --checkpoint at one", every_node=True)  # this machine's files
     check_folders(args.checkpoint, args.metrics)
     select_gpus(args)
     resolve_device(args)
     check_launch(args)
-    if args.device == "cpu" and args.gpu is not None:
-        print0(f"note: --gpu {args.gpu} ignored on CPU; the number of processes sets the world size")
+    if args.device != "cuda" and args.gpu is not None:  # it sets CUDA_VISIBLE_DEVICES, which only CUDA reads
+        print0(f"note: --gpu {args.gpu} ignored on {'CPU' if args.device == 'cpu' else args.device}; "
+               "the number of processes sets the world size")
     if args.device == "cpu" and args.amp == "fp16":
         print0("note: --amp fp16 on CPU runs far slower than fp32 or bf16 (few CPU kernels are fast in fp16)")
     if args.device == "cpu" and not args.evaluate:
         # torch refuses SyncBatchNorm on CPU ("SyncBatchNorm layers only work with GPU modules")
-        print0("note: SyncBatchNorm needs CUDA; on CPU each rank keeps its own BatchNorm statistics")
+        print0("note: SyncBatchNorm needs CUDA (or xpu, hpu, npu); on CPU each rank keeps its own BatchNorm statistics")
     return args
 
 
 def check_launch(args):
-    """torchrun starts the processes; LOCAL_RANK picks this one's GPU. Restarted by torchrun: resume."""
-    gpus = torch.cuda.device_count()
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    """torchrun starts the processes; LOCAL_RANK picks this one's GPU (prepare_rendezvous checks
+    it, once a hand-made launch's is filled in). Restarted by torchrun: resume."""
     args.resume |= int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and os.path.isfile(args.checkpoint)
-    if args.device == "cuda" and local_rank >= gpus:
-        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
-             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
 
 
 def visible_gpus(ids, preset):
@@ -180,9 +177,9 @@ def setup(args):
     """Join the process group that the environment describes (env://); returns this process's device."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # a hand-made launch may set only RANK and WORLD_SIZE
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
+    if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
+        device = torch.device(args.device, local_rank)
+        torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
         # without LOCAL_WORLD_SIZE (a hand-made launch) every rank is taken to be on this machine
@@ -308,7 +305,7 @@ def make_loaders(train_set, test_set, device, args):
     # draw the same random numbers (augmentations) as worker k of every other rank
     generator = torch.Generator().manual_seed(args.seed + rank)
     common = {"batch_size": args.batch_size, "num_workers": args.workers,
-              "pin_memory": device.type == "cuda", "persistent_workers": args.workers > 0}
+              "pin_memory": device.type != "cpu", "persistent_workers": args.workers > 0}
     train_loader = DataLoader(train_set, sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed),
                               generator=generator, **common)
     test_loader = DataLoader(test_set, sampler=ShardSampler(len(test_set), rank, world_size), **common)
@@ -335,7 +332,7 @@ class ConvNet(nn.Module):
 def amp_choice(choice, device):
     """Resolve --amp auto to bf16, fp16 or off, for this process's device (after set_device).
 
-    On CUDA bf16 only where the GPU computes in it (Ampere and later): torch also reports
+    On a GPU bf16 only where it computes in it (Ampere and later on CUDA): torch also reports
     emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU
     bf16 only where the CPU has bf16 instructions. Measured on the collection's 2-core test
     machine (AMD EPYC, avx512_bf16; one ConvNet training step, batch 32, one thread, median
@@ -345,10 +342,9 @@ def amp_choice(choice, device):
     """
     if choice != "auto":
         return choice
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}  # older torch: off
-    return "bf16" if caps.get("avx512_bf16") or caps.get("amx_bf16") else "off"
+    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA), or
+    # the CPU's bf16 instructions: bf16 if so, else fp16 on an accelerator and off on the CPU
+    return device_plan(device.type, bf16=bf16_supported(device))["amp"]
 
 
 def autocast(device, amp):
@@ -361,8 +357,8 @@ def autocast(device, amp):
 def on_device(loader, device):
     """The loader's batches on `device`; from pinned memory the copy does not block the host."""
     for images, labels in loader:
-        yield (images.to(device, non_blocking=device.type == "cuda"),
-               labels.to(device, non_blocking=device.type == "cuda"))
+        yield (images.to(device, non_blocking=device.type != "cpu"),
+               labels.to(device, non_blocking=device.type != "cpu"))
 
 
 def train_one_epoch(model, loader, optimizer, scaler, amp, device):
@@ -466,7 +462,7 @@ def train(device, args):
     # the world size sets the steps per epoch: a large world gets more epochs, not fewer steps
     args.epochs = args.epochs or max(DEFAULT_EPOCHS, math.ceil(MIN_STEPS / len(train_loader)))
     model = ConvNet().to(device)
-    if device.type == "cuda":
+    if device.type != "cpu":  # torch's SyncBatchNorm takes cuda, xpu, hpu and npu tensors, not CPU ones
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
@@ -479,7 +475,7 @@ def train(device, args):
     # forward, one more collective per step. Not needed here: SyncBatchNorm keeps them equal on GPUs;
     # on CPU rank 0's (the ones saved) come from rank 0's batches either way, and sync_buffers()
     # hands them to every rank before evaluation.
-    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
                                          broadcast_buffers=False)
     start = time.perf_counter()
     history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
@@ -508,7 +504,7 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, device,
         "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "losses": losses, "replicas_in_sync": in_sync, "resumed_from_epoch": start_epoch,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "amp": args.amp, "sync_bn": device.type == "cuda", **result,
+        "amp": args.amp, "sync_bn": device.type != "cpu", **result,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
@@ -543,6 +539,7 @@ def main():
 # =============================================================================
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import multiprocessing
@@ -579,16 +576,19 @@ def print0(line):
         say(line)
 
 
-def fail(what, fix, every_rank=False):
+def fail(what, fix, every_rank=False, every_node=False):
     """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
 
     What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
     stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
     rank that left first would get rank 0 killed before it had said why. `every_rank`:
-    what only this process can see (its GPU, its file system) is said by this process.
+    what only this process can see (its device) is said by this process. `every_node`: what
+    one machine sees (its files) is said there once, by its LOCAL_RANK 0, so a node that
+    lacks a file says so itself and a single machine still prints one line.
     """
     rank = global_rank()
-    if rank == 0 or every_rank:
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
+    if rank == 0 or every_rank or (every_node and first_on_node):
         say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
         time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
@@ -607,25 +607,75 @@ def check_folders(*paths):
     """Output paths must lie in existing folders: found now, not after an hour of training."""
     for path in paths:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+def device_plan(kind, backend="auto", bf16=False):
+    """The device choice as a pure function of the device type, so that a CPU can test every type.
+
+    kind: "cpu", or the accelerator type torch reports (cuda, xpu, hpu, npu, mps, ...); each
+    process then takes the device of its LOCAL_RANK (torch.accelerator.set_device_index).
+    backend "auto": torch's default for the type (get_default_backend_for_device: nccl on cuda,
+    xccl on xpu, gloo on cpu; hccl on hpu and npu once their plugins have registered it); a
+    backend fits when torch's Backend.backend_capability lists the type. bf16: the device
+    computes bfloat16 natively. Returns {"backend", "amp": what --amp auto means there,
+    "problem": (what, fix) when no job can run so, else None}.
+    """
+    amp = "bf16" if bf16 else "off" if kind == "cpu" else "fp16"  # fp16 with a GradScaler; slow on CPUs
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    chosen = default if backend == "auto" else backend
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    problem = None
+    if chosen is not None and chosen not in carries:
+        problem = (f"unknown backend {chosen!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    elif chosen is not None and kind in carries[chosen]:
+        pass
+    elif default is not None and kind in carries[default]:
+        problem = (f"--backend {chosen} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+                   f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    else:
+        problem = (f"torch has no multi-process backend for {kind}",
+                   f"use --device cpu, or install the package that adds {kind} to torch")
+    return {"backend": chosen, "amp": amp, "problem": problem}
 
 
 def resolve_device(args):
-    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
-    gpus = torch.cuda.device_count()
-    if args.device == "auto":
-        args.device = "cuda" if gpus else "cpu"
-    if args.device == "cuda" and not gpus:
-        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-    if args.backend == "auto":
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.backend == "nccl" and args.device != "cuda":
-        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
-    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
-    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
-        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
-             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    """--device and --backend `auto` made concrete: torch.accelerator's device, else the CPU, and the
+    device's default backend. A device the machine lacks, or a backend that does not fit it, is one
+    error line. (LOCAL_RANK is checked once the launcher's values are complete: prepare_rendezvous.)"""
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    here = found.type if found is not None else "cpu"
+    args.device = here if args.device == "auto" else args.device
+    if args.device not in ("cpu", here):
+        fail(f"--device {args.device} but " + (f"this machine's accelerator is {here}" if found else
+                                                "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if args.device == "cuda" else " or auto"))
+    plan = device_plan(args.device, args.backend)
+    if plan["problem"]:
+        fail(*plan["problem"])
+    args.backend = plan["backend"]
     return args
+
+
+def bf16_supported(device, emulated=False):
+    """Whether this process's device computes in bfloat16; ask after set_device_index, it asks the
+    current device. Emulated bf16 (CUDA before Ampere) is slower than fp16 with a GradScaler, so it
+    counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
+    plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
+    if device.type == "cpu":
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is None:  # a module without the check: torch's own autocast default for the type
+        return torch.get_autocast_dtype(device.type) == torch.bfloat16
+    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
+        return bool(check(including_emulation=emulated))
+    return bool(check())
 
 
 def use_cpu_threads(procs_on_this_machine):
@@ -644,9 +694,31 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks this process's device, so it must be one of this machine's `count` devices.
+    named: the launcher set LOCAL_RANK; a hand-made launch that did not is taken to run every rank
+    on this machine (LOCAL_RANK = RANK), which a second machine cannot hold."""
+    if device == "cpu":
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    count = torch.accelerator.device_count() if count is None else count
+    if local_rank < count:
+        return
+    if not named:
+        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
+         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
+
+
 def check_port_free(addr, port):
-    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely.
+
+    SO_REUSEADDR, as the TCPStore that will listen there binds: a port that a finished run left
+    in TIME_WAIT (for about a minute) is free for it, while one that something listens on is not.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, int(port)))
         except OSError:
@@ -664,10 +736,12 @@ def prepare_rendezvous(args, spawning=False):
     """
     if getattr(args, "local_rank", None) is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
     if not spawning and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)  # the values this process will use, filled in
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
     if "MASTER_PORT" in os.environ:
@@ -712,9 +786,10 @@ def stop_on_interrupt():
 
 
 def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
         state = None
     if not isinstance(state, dict):
@@ -764,7 +839,10 @@ def explained_failures(timeout, checkpoint=None):
 
 def check_same_on_every_rank(value, what, fix):
     """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    # a backend that carries only accelerator tensors (nccl, xccl, hccl) gathers on this process's device
+    on_cpu = "cpu" in dist.Backend.backend_capability.get(dist.get_backend(), ["cpu"])
+    device = None if on_cpu else torch.device(torch.accelerator.current_accelerator().type,
+                                              torch.accelerator.current_device_index())
     every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(every, torch.tensor([value], device=device))
     if len({int(v) for v in every}) > 1:
@@ -786,15 +864,25 @@ def release_ddp():
 
 
 def replicas_in_sync(model, device):
-    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
+    """True when every rank's parameters equal rank 0's, bit for bit.
+
+    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
+    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
+    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
+    weighted sum of its parameters) only lets a reader tell runs apart.
+    """
+    same = True
+    for p in model.parameters():
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, src=0)
+        same = same and torch.equal(theirs, p.detach())
+    verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
-    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
+           f"({len(verdicts)} ranks, fingerprint {fingerprint.item():.10e})")
     return not differ
 
 
@@ -828,7 +916,7 @@ def load_checkpoint(path, keys, model=None):
     can run. map_location cpu: load_state_dict then puts each tensor where its parameter
     lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
     the file must hold; `model`: its "model" weights must fit this model. Any problem is one
-    error line, not a traceback per rank.
+    error line, not a traceback per rank, said on each machine whose copy has it.
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -836,22 +924,24 @@ def load_checkpoint(path, keys, model=None):
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
-             "load only checkpoints this script wrote; delete it to start afresh")
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
-             "it is unreadable or truncated; delete it to start afresh")
+             "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
-        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
+             every_node=True)
     if model is not None:
         mine, theirs = model.state_dict(), state["model"]
         if set(theirs) != set(mine):
             fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
                  f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
-                 "delete it, or use the configuration that wrote it")
+                 "delete it, or use the configuration that wrote it", every_node=True)
         for name, tensor in mine.items():
             if tuple(theirs[name].shape) != tuple(tensor.shape):
                 fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
-                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                     every_node=True)
     return state
 
 
@@ -882,8 +972,15 @@ def spawn_processes(fn, args, nprocs):
         sys.exit(1)
     except mp.ProcessExitedException as e:
         if e.exit_code not in (1, 2, 130):
-            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+            say(f"error: process {e.error_index} {how_it_ended(e)}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+
+
+def how_it_ended(exited):
+    """`was ended by SIGABRT (exit code -6)`, or `exited with code 3`: torch names the signal."""
+    if exited.signal_name:
+        return f"was ended by {exited.signal_name} (exit code {exited.exit_code})"
+    return f"exited with code {exited.exit_code}"
 # ---- end of harness ----
 
 

@@ -26,17 +26,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def example(rank, world_size, args):
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # one GPU per process, before any CUDA work
-    else:
-        torch.set_num_threads(max(1, os.cpu_count() // world_size))  # share the cores, don't fight over them
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    device = torch.device(args.device, rank) if args.device != "cpu" else torch.device("cpu")
+    if device.type != "cpu":  # cuda, xpu, hpu, npu, ...: whichever accelerator torch found
+        torch.accelerator.set_device_index(device)  # one GPU per process, before any work on it
+    torch.set_num_threads(max(1, os.cpu_count() // world_size))  # share the cores, don't fight over them
+    # the device's own backend: nccl on cuda, xccl on xpu, hccl on hpu and npu, gloo on cpu
+    dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank, world_size=world_size)
 
     torch.manual_seed(0)  # the same start everywhere (DDP would broadcast rank 0's weights anyway)
     model = torch.nn.Linear(10, 10).to(device)
     before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ddp_model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
+    ddp_model = DDP(model, device_ids=[rank] if device.type != "cpu" else None)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
 
     g = torch.Generator().manual_seed(rank)  # each rank its own batch, as a DistributedSampler gives
@@ -62,14 +62,16 @@ def example(rank, world_size, args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available")
+    p.add_argument("--device", default="auto", help="cpu, cuda, xpu, ... (auto: the accelerator torch finds, else cpu)")
     p.add_argument("--nprocs", type=int, default=None, help="processes (default: the GPUs, 2 on CPU)")
     args = p.parse_args()
-    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    gpus = torch.cuda.device_count()
-    nprocs = args.nprocs or (gpus if args.device == "cuda" else 2)
-    if not 0 < nprocs <= (gpus if args.device == "cuda" else 64):
-        p.exit(2, f"error: --nprocs {nprocs} does not fit this machine with {gpus} GPU(s) (pass 1 to {gpus or 64})\n")
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    args.device = (found.type if found else "cpu") if args.device == "auto" else args.device
+    gpus = torch.accelerator.device_count() if found and found.type == args.device else 0  # or xpu, ... devices
+    nprocs = args.nprocs or (gpus if args.device != "cpu" else 2)
+    if args.device == "mps" or not 0 < nprocs <= (gpus if args.device != "cpu" else 64):  # mps: no backend
+        p.exit(2, "error: MPS has no multi-process backend (use --device cpu)\n" if args.device == "mps" else
+               f"error: --nprocs {nprocs} does not fit this machine with {gpus} GPU(s) (pass 1 to {gpus or 64})\n")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # rank 0 hosts the rendezvous here,
     with socket.socket() as s:  # on a port the OS says is free (never a hard-coded one)
         s.bind(("127.0.0.1", 0))

@@ -160,10 +160,10 @@ def add_run_args(p):
                    help="print the training loss every N optimizer steps (0: once per epoch)")
     p.add_argument("--sample", type=int, default=200, metavar="N",
                    help="generate N characters on rank 0 at the end (0: none)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="auto: CUDA when available, else CPU")
-    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: nccl on CUDA, gloo on CPU")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
+                   help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
+    p.add_argument("--backend", default="auto", metavar="auto|NAME",
+                   help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
     p.add_argument("--checkpoint", default="ddp_transformer.pt", metavar="PATH",
                    help="checkpoint written by rank 0 at the end of every epoch and of the run")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
@@ -210,14 +210,10 @@ def check_args(args):
         fail("--warmup and --dropout must be in [0, 1) and --clip 0 or more",
              "e.g. --warmup 0.1 --dropout 0.1 --clip 1")
     check_folders(args.checkpoint, args.metrics)
-    resolve_device(args)
-    gpus, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-    if args.device == "cuda" and local_rank >= gpus:
-        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
-             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     if args.resume and not os.path.exists(args.checkpoint):
         fail(f"--resume but there is no checkpoint at {args.checkpoint}",
-             "pass --checkpoint PATH of an earlier run, or drop --resume")
+             "pass --checkpoint PATH of an earlier run, or drop --resume", every_node=True)  # this machine's files
     return args
 
 
@@ -226,9 +222,9 @@ def setup(args):
     """Join the process group that torchrun describes in the environment; returns this process's device."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # before any CUDA work: one GPU per process
+    if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
+        device = torch.device(args.device, local_rank)
+        torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
         use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
@@ -249,10 +245,11 @@ def resolve_amp(amp, device):
         # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
         return "off" if amp == "auto" else amp
     if amp == "auto":
-        # including_emulation=False: before Ampere bf16 is emulated, slower than fp16 with a scaler
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    if amp == "bf16" and not torch.cuda.is_bf16_supported():
-        fail("this GPU does not support bf16", "use --amp fp16")
+        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
+        # on CUDA): before Ampere bf16 is emulated, slower than fp16 with a scaler
+        return device_plan(device.type, bf16=bf16_supported(device))["amp"]
+    if amp == "bf16" and not bf16_supported(device, emulated=True):
+        fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
     return amp
 
 
@@ -596,7 +593,7 @@ def run_length(steps_per_epoch, args):
 def wrap(model, device, args):
     """DDP around the model; with --compile, torch.compile around DDP (why this order: the docstring)."""
     # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+    ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
               gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
     # dynamic: an epoch's last batch is shorter, and static shapes would compile everything again for it
     return torch.compile(ddp, dynamic=True) if args.compile else ddp
@@ -656,8 +653,8 @@ class Trainer:
         self.log_sum += loss_sum
         self.log_count += tokens
         if self.clock is None:  # the clock starts after the first step: allocation, compilation
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+            if self.device.type != "cpu":
+                torch.accelerator.synchronize(self.device)
             self.clock = time.perf_counter()
             self.first_step_s = self.clock - self.started
         else:
@@ -812,6 +809,7 @@ def main():
 # =============================================================================
 import contextlib
 import gc
+import inspect
 import json
 import logging
 import multiprocessing
@@ -848,16 +846,19 @@ def print0(line):
         say(line)
 
 
-def fail(what, fix, every_rank=False):
+def fail(what, fix, every_rank=False, every_node=False):
     """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
 
     What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
     stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
     rank that left first would get rank 0 killed before it had said why. `every_rank`:
-    what only this process can see (its GPU, its file system) is said by this process.
+    what only this process can see (its device) is said by this process. `every_node`: what
+    one machine sees (its files) is said there once, by its LOCAL_RANK 0, so a node that
+    lacks a file says so itself and a single machine still prints one line.
     """
     rank = global_rank()
-    if rank == 0 or every_rank:
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
+    if rank == 0 or every_rank or (every_node and first_on_node):
         say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
         time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
@@ -876,25 +877,75 @@ def check_folders(*paths):
     """Output paths must lie in existing folders: found now, not after an hour of training."""
     for path in paths:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            fail(f"the folder of {path} does not exist", "create it first, or pass another path")
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+def device_plan(kind, backend="auto", bf16=False):
+    """The device choice as a pure function of the device type, so that a CPU can test every type.
+
+    kind: "cpu", or the accelerator type torch reports (cuda, xpu, hpu, npu, mps, ...); each
+    process then takes the device of its LOCAL_RANK (torch.accelerator.set_device_index).
+    backend "auto": torch's default for the type (get_default_backend_for_device: nccl on cuda,
+    xccl on xpu, gloo on cpu; hccl on hpu and npu once their plugins have registered it); a
+    backend fits when torch's Backend.backend_capability lists the type. bf16: the device
+    computes bfloat16 natively. Returns {"backend", "amp": what --amp auto means there,
+    "problem": (what, fix) when no job can run so, else None}.
+    """
+    amp = "bf16" if bf16 else "off" if kind == "cpu" else "fp16"  # fp16 with a GradScaler; slow on CPUs
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    chosen = default if backend == "auto" else backend
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    problem = None
+    if chosen is not None and chosen not in carries:
+        problem = (f"unknown backend {chosen!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    elif chosen is not None and kind in carries[chosen]:
+        pass
+    elif default is not None and kind in carries[default]:
+        problem = (f"--backend {chosen} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+                   f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    else:
+        problem = (f"torch has no multi-process backend for {kind}",
+                   f"use --device cpu, or install the package that adds {kind} to torch")
+    return {"backend": chosen, "amp": amp, "problem": problem}
 
 
 def resolve_device(args):
-    """--device and --backend `auto` made concrete; asking for what the machine lacks is an error."""
-    gpus = torch.cuda.device_count()
-    if args.device == "auto":
-        args.device = "cuda" if gpus else "cpu"
-    if args.device == "cuda" and not gpus:
-        fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
-    if args.backend == "auto":
-        args.backend = "nccl" if args.device == "cuda" else "gloo"
-    if args.backend == "nccl" and args.device != "cuda":
-        fail("the nccl backend needs GPUs", "use --backend gloo on CPU")
-    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
-    if args.device == "cuda" and local_rank >= gpus:  # a launcher that starts more processes than GPUs
-        fail(f"LOCAL_RANK {local_rank} but only {gpus} GPU(s) are visible",
-             f"start at most {gpus} processes per node, or use --device cpu", every_rank=True)
+    """--device and --backend `auto` made concrete: torch.accelerator's device, else the CPU, and the
+    device's default backend. A device the machine lacks, or a backend that does not fit it, is one
+    error line. (LOCAL_RANK is checked once the launcher's values are complete: prepare_rendezvous.)"""
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    here = found.type if found is not None else "cpu"
+    args.device = here if args.device == "auto" else args.device
+    if args.device not in ("cpu", here):
+        fail(f"--device {args.device} but " + (f"this machine's accelerator is {here}" if found else
+                                                "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if args.device == "cuda" else " or auto"))
+    plan = device_plan(args.device, args.backend)
+    if plan["problem"]:
+        fail(*plan["problem"])
+    args.backend = plan["backend"]
     return args
+
+
+def bf16_supported(device, emulated=False):
+    """Whether this process's device computes in bfloat16; ask after set_device_index, it asks the
+    current device. Emulated bf16 (CUDA before Ampere) is slower than fp16 with a GradScaler, so it
+    counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
+    plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
+    if device.type == "cpu":
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is None:  # a module without the check: torch's own autocast default for the type
+        return torch.get_autocast_dtype(device.type) == torch.bfloat16
+    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
+        return bool(check(including_emulation=emulated))
+    return bool(check())
 
 
 def use_cpu_threads(procs_on_this_machine):
@@ -913,9 +964,31 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks this process's device, so it must be one of this machine's `count` devices.
+    named: the launcher set LOCAL_RANK; a hand-made launch that did not is taken to run every rank
+    on this machine (LOCAL_RANK = RANK), which a second machine cannot hold."""
+    if device == "cpu":
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    count = torch.accelerator.device_count() if count is None else count
+    if local_rank < count:
+        return
+    if not named:
+        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
+         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
+
+
 def check_port_free(addr, port):
-    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely."""
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely.
+
+    SO_REUSEADDR, as the TCPStore that will listen there binds: a port that a finished run left
+    in TIME_WAIT (for about a minute) is free for it, while one that something listens on is not.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, int(port)))
         except OSError:
@@ -933,10 +1006,12 @@ def prepare_rendezvous(args, spawning=False):
     """
     if getattr(args, "local_rank", None) is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
     if not spawning and "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)  # the values this process will use, filled in
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
     if "MASTER_PORT" in os.environ:
@@ -981,9 +1056,10 @@ def stop_on_interrupt():
 
 
 def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves."""
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True) if path else None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
         state = None
     if not isinstance(state, dict):
@@ -1033,7 +1109,10 @@ def explained_failures(timeout, checkpoint=None):
 
 def check_same_on_every_rank(value, what, fix):
     """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    # a backend that carries only accelerator tensors (nccl, xccl, hccl) gathers on this process's device
+    on_cpu = "cpu" in dist.Backend.backend_capability.get(dist.get_backend(), ["cpu"])
+    device = None if on_cpu else torch.device(torch.accelerator.current_accelerator().type,
+                                              torch.accelerator.current_device_index())
     every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(every, torch.tensor([value], device=device))
     if len({int(v) for v in every}) > 1:
@@ -1055,15 +1134,25 @@ def release_ddp():
 
 
 def replicas_in_sync(model, device):
-    """Gather a fingerprint of the parameters from every rank; True when all are identical."""
+    """True when every rank's parameters equal rank 0's, bit for bit.
+
+    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
+    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
+    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
+    weighted sum of its parameters) only lets a reader tell runs apart.
+    """
+    same = True
+    for p in model.parameters():
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, src=0)
+        same = same and torch.equal(theirs, p.detach())
+    verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    weights = torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))
-    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()]).to(device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    differ = [r for r, f in enumerate(every) if not torch.equal(f, every[0])]
+    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(every)} ranks, fingerprint {every[0][2].item():.10e})")
+           f"({len(verdicts)} ranks, fingerprint {fingerprint.item():.10e})")
     return not differ
 
 
@@ -1097,7 +1186,7 @@ def load_checkpoint(path, keys, model=None):
     can run. map_location cpu: load_state_dict then puts each tensor where its parameter
     lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
     the file must hold; `model`: its "model" weights must fit this model. Any problem is one
-    error line, not a traceback per rank.
+    error line, not a traceback per rank, said on each machine whose copy has it.
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -1105,22 +1194,24 @@ def load_checkpoint(path, keys, model=None):
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
-             "load only checkpoints this script wrote; delete it to start afresh")
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
     except (OSError, RuntimeError, EOFError, ValueError) as e:
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
-             "it is unreadable or truncated; delete it to start afresh")
+             "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
-        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote")
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
+             every_node=True)
     if model is not None:
         mine, theirs = model.state_dict(), state["model"]
         if set(theirs) != set(mine):
             fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
                  f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
-                 "delete it, or use the configuration that wrote it")
+                 "delete it, or use the configuration that wrote it", every_node=True)
         for name, tensor in mine.items():
             if tuple(theirs[name].shape) != tuple(tensor.shape):
                 fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
-                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it")
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                     every_node=True)
     return state
 
 
@@ -1151,8 +1242,15 @@ def spawn_processes(fn, args, nprocs):
         sys.exit(1)
     except mp.ProcessExitedException as e:
         if e.exit_code not in (1, 2, 130):
-            say(f"error: process {e.error_index} exited with code {e.exit_code}", sys.stderr)
+            say(f"error: process {e.error_index} {how_it_ended(e)}", sys.stderr)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+
+
+def how_it_ended(exited):
+    """`was ended by SIGABRT (exit code -6)`, or `exited with code 3`: torch names the signal."""
+    if exited.signal_name:
+        return f"was ended by {exited.signal_name} (exit code {exited.exit_code})"
+    return f"exited with code {exited.exit_code}"
 # ---- end of harness ----
 
 

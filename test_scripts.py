@@ -264,10 +264,20 @@ def _train(model, batches, lr=0.1):
         opt.step()
 
 
+def _sums_agree(module):
+    """The replica check before issue 17: three float64 sums of the weights, gathered and compared."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+    weights = torch.sin(torch.arange(flat.numel(), dtype=torch.float64))
+    mine = torch.stack([flat.sum(), flat.abs().sum(), (flat * weights).sum()])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return all(torch.equal(f, every[0]) for f in every)
+
+
 def _gloo_pair_worker(rank, world, port, batch, steps, out):
     """Two real gloo ranks, once for three tests: DDP training on halves of each global batch, the
-    scripts' replica check on the trained replicas, before and after one weight of rank 1 moves by 1e-6,
-    and the Transformer's no_sync gradient accumulation (accumulation_check)."""
+    scripts' replica check on the trained replicas, before and after one weight of rank 1 moves by 1e-6
+    (also next to a weight of 1e30, where sums of the weights cannot see it), and the Transformer's no_sync gradient accumulation (accumulation_check)."""
     sys.path.insert(0, str(ROOT))
     from ddp_gpus import replicas_in_sync
     torch.set_num_threads(1)
@@ -286,6 +296,9 @@ def _gloo_pair_worker(rank, world, port, batch, steps, out):
             with torch.no_grad():
                 model.module.weight[0, 7] += 1e-6
         checks.append(replicas_in_sync(model.module, torch.device("cpu")))
+        with torch.no_grad():  # the same huge weight on both ranks: next to it a sum cannot see the 1e-6
+            model.module.weight[0, 1] = 1e30
+        checks += [replicas_in_sync(model.module, torch.device("cpu")), _sums_agree(model.module)]
         with open(f"{out}.{rank}", "w") as f:
             f.write(" ".join(map(str, checks)))
         del model
@@ -329,7 +342,9 @@ def test_ddp_equals_one_process_with_double_batch(gloo_pair):
 def test_replica_check_detects_one_differing_weight(gloo_pair):
     out = gloo_pair[0]
     verdicts = {open(f"{out}.{r}").read() for r in (0, 1)}
-    assert verdicts == {"True False"}, "in sync after DDP's steps; DIFFER once one weight moved by 1e-6, on every rank"
+    # in sync after DDP's steps; DIFFER once one weight moved by 1e-6, on every rank; still DIFFER
+    # next to a weight of 1e30, where sums of the weights (the check before issue 17) agree
+    assert verdicts == {"True False False True"}, verdicts
 
 
 # ---------------------------------------------------------------- DistributedSampler

@@ -1,0 +1,326 @@
+"""The device choice (issue 17), checked in this process: no launch, no GPU needed.
+
+The harness's device_plan maps a device type to its backend, its --amp auto and, where no job
+can run, one error line; it is a pure function of the type, so every type is checked here on a
+CPU. What needs the device itself (set_device_index on it, a collective on it, its own bf16
+check) is read against torch's source, not run: README.md's device table says which is which.
+Also here: the checks that must see a hand-made launch's filled-in LOCAL_RANK, a MASTER_PORT in
+TIME_WAIT against one that something listens on, the replica check on a one-process gloo group,
+the signal a spawned process died of, and the checkpoint described with mmap.
+"""
+import argparse
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ddp_comm_hooks
+import ddp_gpus
+import ddp_minimal
+import ddp_uneven
+from conftest import ROOT
+
+
+def one_error_line(call, capsys, code=2):
+    with pytest.raises(SystemExit) as exited:
+        call()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == code and len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert "(" in lines[0], f"the error names the fix: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture
+def registered_backend(monkeypatch):
+    """Register a backend for a device type the way a plugin does (habana_frameworks registers
+    `hccl` for `hpu`, torch_npu for `npu`) with torch's own Backend.register_backend, on copies of
+    torch's tables that are put back afterwards."""
+    for table in ("default_device_backend_map", "backend_capability", "backend_type_map", "_plugins"):
+        monkeypatch.setattr(dist.Backend, table, dict(getattr(dist.Backend, table)))
+    monkeypatch.setattr(dist.Backend, "backend_list", list(dist.Backend.backend_list))
+
+    def register(name, device):
+        monkeypatch.setattr(dist.Backend, name.upper(), name, raising=False)
+        dist.Backend.register_backend(name, lambda *args: None, devices=[device])
+    return register
+
+
+# ---------------------------------------------------------------- the mapping, for each type
+@pytest.mark.parametrize("kind,backend", [("cpu", "gloo"), ("cuda", "nccl"), ("xpu", "xccl")])
+def test_each_type_gets_torchs_default_backend(kind, backend):
+    plan = ddp_gpus.device_plan(kind)
+    assert plan == {"backend": backend, "amp": "off" if kind == "cpu" else "fp16", "problem": None}
+    assert backend == dist.get_default_backend_for_device(kind)  # torch's table, not ours
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "xpu", "hpu", "npu"])
+def test_amp_auto_is_bf16_where_native_else_fp16_on_accelerators_and_off_on_cpu(kind):
+    assert ddp_gpus.device_plan(kind, bf16=True)["amp"] == "bf16"
+    assert ddp_gpus.device_plan(kind, bf16=False)["amp"] == ("off" if kind == "cpu" else "fp16")
+
+
+def test_hpu_takes_the_backend_its_plugin_registers(registered_backend):
+    """Without habana_frameworks torch knows no backend for hpu: one line that says so. Once the
+    plugin has registered hccl for hpu (as it does on import), hpu's default is hccl, and gloo,
+    which takes only cpu and cuda tensors, does not fit it."""
+    missing = ddp_gpus.device_plan("hpu")
+    assert missing["backend"] is None and "no multi-process backend for hpu" in missing["problem"][0]
+    registered_backend("hccl", "hpu")
+    assert ddp_gpus.device_plan("hpu") == {"backend": "hccl", "amp": "fp16", "problem": None}
+    what, fix = ddp_gpus.device_plan("hpu", backend="gloo")["problem"]
+    assert "--backend gloo does not carry hpu tensors" in what and "hccl" in fix
+
+
+def test_npu_needs_its_plugin_to_be_named_at_all():
+    """`npu` is torch's privateuse1 device, renamed by torch_npu, which also registers hccl for it
+    (Ascend/pytorch torch_npu/__init__.py: register_backend("hccl", ..., devices=["npu"])). Without
+    it this torch cannot even parse the type: the plan is one line, not a traceback."""
+    with pytest.raises(RuntimeError):
+        torch.device("npu")
+    plan = ddp_gpus.device_plan("npu")
+    assert plan["backend"] is None
+    assert plan["problem"] == ("torch has no multi-process backend for npu",
+                               "use --device cpu, or install the package that adds npu to torch")
+
+
+def test_mps_is_one_line_pointing_to_the_cpu():
+    """torch maps mps to gloo (Backend.default_device_backend_map), but gloo's capability is cpu
+    and cuda: no backend carries MPS tensors, and the plan says so instead of crashing at step 1."""
+    assert dist.Backend.default_device_backend_map["mps"] == "gloo"
+    what, fix = ddp_gpus.device_plan("mps")["problem"]
+    assert what.startswith("torch has no multi-process backend for mps") and "gloo" in what
+    assert fix == "use --device cpu"
+
+
+def test_mps_in_the_minimal_example_is_one_line(monkeypatch, capsys):
+    """ddp_minimal.py has no harness: its own check, before any process starts."""
+    monkeypatch.setattr(sys, "argv", ["ddp_minimal.py", "--device", "mps"])
+    line = one_error_line(ddp_minimal.main, capsys)
+    assert line == "error: MPS has no multi-process backend (use --device cpu)"
+
+
+def test_no_accelerator_means_the_cpu_and_gloo():
+    """--device auto: torch.accelerator.current_accelerator(check_available=True), else the CPU.
+    This machine's torch is a CUDA build with no GPU: the compile-time accelerator is cuda, the
+    available one none, so auto must be the CPU (without check_available it would be cuda)."""
+    found = torch.accelerator.current_accelerator(check_available=True)
+    if found is not None and found.type == "mps":
+        pytest.skip("auto is mps here, which is one error line (test_mps_is_one_line_pointing_to_the_cpu)")
+    args = ddp_gpus.resolve_device(ddp_gpus.parse_args([]))
+    assert (args.device, args.backend) == ((found.type, dist.get_default_backend_for_device(found))
+                                           if found else ("cpu", "gloo"))
+
+
+@pytest.mark.parametrize("argv,says", [(["--backend", "nccl"], "--backend nccl does not carry cpu tensors"),
+                                       (["--backend", "mpi2"], "unknown backend 'mpi2'")])
+def test_a_backend_that_does_not_fit_is_one_line(argv, says, capsys):
+    line = one_error_line(lambda: ddp_gpus.check_args(ddp_gpus.parse_args(["--device", "cpu", *argv])), capsys)
+    assert says in line and "--backend auto" in line, line
+
+
+@pytest.mark.skipif(torch.accelerator.current_accelerator(check_available=True) is not None,
+                    reason="an accelerator is visible here")
+@pytest.mark.parametrize("kind", ["cuda", "xpu", "mps"])
+def test_a_device_the_machine_lacks_is_one_line(kind, capsys):
+    line = one_error_line(lambda: ddp_gpus.check_args(ddp_gpus.parse_args(["--device", kind])), capsys)
+    assert f"--device {kind} but no GPU or other accelerator is visible" in line and "--device cpu" in line
+
+
+def test_bf16_check_asks_the_device_module_without_emulation():
+    """The CPU: its bf16 instructions; CUDA: torch.cuda.is_bf16_supported(including_emulation=False),
+    False without a GPU (torch/cuda/__init__.py returns False when CUDA is not available)."""
+    caps = torch.cpu.get_capabilities()
+    assert ddp_gpus.bf16_supported(torch.device("cpu")) == bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    assert ddp_gpus.bf16_supported(torch.device("cpu"), emulated=True)
+    if not torch.cuda.is_available():
+        assert ddp_gpus.bf16_supported(torch.device("cuda")) is False
+
+
+def test_the_bf16_hook_is_no_longer_judged_before_set_device():
+    """ddp_comm_hooks.py asked torch.cuda.is_bf16_supported() in check_args, before set_device (a
+    context on GPU 0 in every rank, and emulated bf16 counted). Now check_args only asks NCCL's
+    version; each rank asks its own device after set_device (bf16_where_native)."""
+    if dist.is_nccl_available() and not torch.cuda.is_available() and torch.cuda.nccl.version() >= (2, 10):
+        # before: is_bf16_supported() is False without a GPU, so bf16 was struck off here already
+        assert "bf16" not in ddp_comm_hooks.unavailable_hooks(argparse.Namespace(backend="nccl"))
+    assert ddp_comm_hooks.bf16_where_native(["allreduce", "bf16"], torch.device("cpu")) == ["allreduce", "bf16"]
+
+
+# ---------------------------------------------------------------- 3.1: LOCAL_RANK, filled in
+@pytest.fixture
+def hand_launch(monkeypatch):
+    """The environment of a hand-made launch's process: RANK and WORLD_SIZE, no LOCAL_RANK."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1000")  # beyond any machine's device count
+    monkeypatch.setenv("WORLD_SIZE", "1001")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    return monkeypatch
+
+
+def test_missing_local_rank_filled_from_rank_is_checked(hand_launch, capsys):
+    """prepare_rendezvous fills LOCAL_RANK = RANK; the device check runs after that, so the rank
+    that cannot be on this machine says to set LOCAL_RANK, instead of a raw invalid-ordinal traceback."""
+    args = argparse.Namespace(device="cuda", backend="nccl", local_rank=None)
+    line = one_error_line(lambda: ddp_gpus.prepare_rendezvous(args), capsys)
+    assert "LOCAL_RANK is not set, and RANK 1000 is beyond this machine's" in line, line
+    assert "set LOCAL_RANK for each process" in line and line.endswith("[rank 1000]"), line
+
+
+def test_local_rank_from_launch_flag_is_checked(hand_launch, capsys):
+    """`python -m torch.distributed.launch` passes --local-rank: filled in, then checked."""
+    args = argparse.Namespace(device="cuda", backend="nccl", local_rank=1000)
+    line = one_error_line(lambda: ddp_gpus.prepare_rendezvous(args), capsys)
+    assert line.startswith("error: LOCAL_RANK 1000 but only") and "cuda device(s) are visible" in line, line
+
+
+def test_local_rank_check_itself(monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    ddp_gpus.check_local_rank("cuda", True, count=2)  # device 1 of 2: fine
+    ddp_gpus.check_local_rank("cpu", False, count=0)  # the CPU has no device to pick
+    line = one_error_line(lambda: ddp_gpus.check_local_rank("xpu", True, count=1), capsys)
+    assert "LOCAL_RANK 1 but only 1 xpu device(s) are visible" in line
+
+
+def test_the_scripts_no_longer_check_local_rank_before_it_is_filled_in():
+    for name in ("ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
+                 "ddp_comm_hooks.py"):
+        lesson = (ROOT / name).read_text().split("# ---- harness:")[0]
+        assert "torch.cuda.device_count()" not in lesson and "LOCAL_RANK {" not in lesson, name
+
+
+# ---------------------------------------------------------------- 4.1: a port in TIME_WAIT
+def port_a_finished_run_left():
+    """The port of a rendezvous that just ended: a TCPStore served a client there and closed
+    first, so the port's end of that connection sits in TIME_WAIT (about a minute)."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=2, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    port = store.port
+    client = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=False, timeout=timedelta(seconds=10))
+    client.set("epoch", "1")
+    assert store.get("epoch") == b"1"
+    del store  # the run's rank 0 ends first: its side of the connection closes first
+    time.sleep(0.2)
+    del client
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        with socket.socket() as plain:
+            try:
+                plain.bind(("127.0.0.1", port))
+            except OSError:
+                return port  # a plain bind (the old check) fails: the state users meet after a run
+        time.sleep(0.05)
+    pytest.skip("no TIME_WAIT left on the port here: nothing to test against")
+
+
+def test_a_port_in_time_wait_is_accepted_and_the_store_binds_it():
+    port = port_a_finished_run_left()
+    ddp_gpus.check_port_free("127.0.0.1", port)  # no error: it binds with SO_REUSEADDR, as the TCPStore does
+    store = dist.TCPStore("127.0.0.1", port, world_size=1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))  # and the next run's rendezvous does start there
+    store.set("rendezvous", "works")
+    assert store.get("rendezvous") == b"works"
+    del store
+
+
+def test_a_port_something_listens_on_is_refused(capsys):
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # even a listener that allows reuse
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_error_line(lambda: ddp_gpus.check_port_free("127.0.0.1", port), capsys)
+    assert f"MASTER_PORT {port} is already in use" in line
+
+
+# ---------------------------------------------------------------- 4.2: node-local facts
+@pytest.mark.parametrize("local_rank,speaks", [("0", True), ("1", False)])
+def test_a_missing_file_is_said_by_the_first_process_of_its_machine(local_rank, speaks, monkeypatch, capsys,
+                                                                     tmp_path):
+    """Rank 2 of a job is LOCAL_RANK 0 on the second machine: if that machine lacks the folder or the
+    checkpoint, it says so itself (rank 0 cannot see it); its other processes stay silent."""
+    for name in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    checks = [lambda: ddp_gpus.check_folders(str(tmp_path / "missing" / "m.json")),
+              lambda: ddp_gpus.load_checkpoint(str(tmp_path / "nothing.pt"), ("model",)),
+              lambda: ddp_uneven.check_args(ddp_uneven.parse_args(["--device", "cpu", "--resume", "--checkpoint",
+                                                                   str(tmp_path / "nothing.pt")]))]
+    for check in checks:
+        with pytest.raises(SystemExit) as exited:
+            check()
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2
+        if speaks:
+            assert len(lines) == 1 and lines[0].startswith("error:") and lines[0].endswith("[rank 2]"), lines
+        else:
+            assert lines == [], lines
+
+
+# ---------------------------------------------------------------- 4.3: the replica check, exact
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replica_check_on_a_one_process_group(world_of_one, capsys):
+    """A world of one: rank 0's parameters, broadcast, equal its own; nothing is changed on the way
+    and the fingerprint printed is rank 0's weighted sum. (Two ranks whose weights differ where a sum
+    cannot see it: test_scripts.py's gloo pair, which a default test already launches.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert ddp_gpus.replicas_in_sync(model, torch.device("cpu")) is True
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), dtype=torch.float64))).sum().item()
+    assert capsys.readouterr().out == f"replicas: in sync (1 ranks, fingerprint {fingerprint:.10e})\n"
+    ddp_gpus.check_same_on_every_rank(3, "epochs", "")  # gloo: gathered on the CPU
+
+
+# ---------------------------------------------------------------- 4.4, 4.5
+def test_a_spawned_process_killed_by_a_signal_is_named():
+    """torch's ProcessExitedException carries the signal's name (torch/multiprocessing/spawn.py)."""
+    aborted = mp.ProcessExitedException("process 1 terminated with signal SIGABRT", error_index=1,
+                                        error_pid=4242, exit_code=-6, signal_name="SIGABRT")
+    assert ddp_gpus.how_it_ended(aborted) == "was ended by SIGABRT (exit code -6)"
+    exited = mp.ProcessExitedException("process 1 terminated with exit code 3", error_index=1, error_pid=4242,
+                                       exit_code=3)
+    assert ddp_gpus.how_it_ended(exited) == "exited with code 3"
+
+
+def _abort(rank, args):
+    os.abort()
+
+
+@pytest.mark.slow
+def test_spawn_names_the_signal_of_a_real_abort(capsys):
+    """A real child that aborts (as NCCL's watchdog makes a process do): one line naming SIGABRT."""
+    with pytest.raises(SystemExit) as exited:
+        ddp_gpus.spawn_processes(_abort, None, 1)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err.strip() == "error: process 0 was ended by SIGABRT (exit code -6)"
+
+
+def test_checkpoint_is_described_through_mmap(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": torch.nn.Linear(64, 64).state_dict(), "epoch": 3}, path)
+    assert ddp_gpus.describe_checkpoint(str(path)) == f"checkpoint at epoch 3 kept in {path}"
+    path.write_bytes(path.read_bytes()[:100])  # cut short by the interrupt
+    assert ddp_gpus.describe_checkpoint(str(path)) == "no checkpoint kept"
+    assert ddp_gpus.describe_checkpoint(None) == "no checkpoint kept"
