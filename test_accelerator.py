@@ -69,6 +69,12 @@ def test_hpu_takes_the_backend_its_plugin_registers(registered_backend):
     """Without habana_frameworks torch knows no backend for hpu: one line that says so. Once the
     plugin has registered hccl for hpu (as it does on import), hpu's default is hccl, and gloo,
     which takes only cpu and cuda tensors, does not fit it."""
+    # torch's own test helpers register a "fake" backend for hpu when something imports them
+    # (torch.testing._internal.distributed.fake_pg): start from the tables of a plain torch
+    dist.Backend.default_device_backend_map.pop("hpu", None)
+    capability = dist.Backend.backend_capability  # the fixture's copy: new lists, torch's stay whole
+    for name in list(capability):
+        capability[name] = [d for d in capability[name] if d != "hpu"]
     missing = ddp_gpus.device_plan("hpu")
     assert missing["backend"] is None and "no multi-process backend for hpu" in missing["problem"][0]
     registered_backend("hccl", "hpu")
