@@ -60,8 +60,9 @@ table row is printed as soon as its setting's last run is in. Writes bench_resul
 (a list of rows: benchmark, mode, world_size, threads_per_process, throughput, unit,
 efficiency, limit_efficiency, of_limit, plus section, thread_policy, runs, limit_runs
 (each the sum over the N one-process runs), limit_per_process and, for comm_hooks and
-zero, figures) in the working directory. Measure on a quiet machine: the load average is
-printed.
+zero, figures; the Transformer's rows also mfu, its model FLOP utilization, where its devices'
+peak is known: a GPU in its table, or --peak_tflops) in the working directory. Measure on a
+quiet machine: the load average is printed.
 """
 
 # ---------------------------------------------------------------- imports
@@ -130,7 +131,7 @@ BENCHMARKS = {
                     work_s=(9, 1)),
     "transformer": dict(script="ddp_transformer.py", launcher="torchrun", required=[], kind="throughput",
                         key="tokens_per_s", unit="tokens/s", sizes=transformer_sizes, steady=True,
-                        corpus="default_corpus", work_s=(5.6, 2)),
+                        corpus="default_corpus", work_s=(5.6, 2), mfu=True),
 }
 COMPARE = dict(script="dp_baseline.py", launcher="spawn", required=["--compare"], kind="compare",
                key="samples_per_s", unit="samples/s", sizes=mlp_sizes, work_s=(12, 5))
@@ -177,6 +178,9 @@ def parse_args(argv=None):
                    help="limit for each launch; it is killed with all its processes after that "
                         "(default: 600, 300 with --quick)")
     p.add_argument("--out", default="bench_results.json", metavar="PATH", help="where to write the rows (default: %(default)s)")
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
+                   help="one device's peak dense TFLOP/s, given to ddp_transformer.py for the MFU of its rows "
+                        "(default: its own table of GPUs; on CPU none, and no MFU)")
     return p.parse_args(argv)
 
 
@@ -193,6 +197,9 @@ def check_args(args):
         fail(f"--repeats must be a positive integer, got {args.repeats}", "pass --repeats 1 or more")
     if not args.timeout > 0:
         fail(f"--timeout must be positive, got {args.timeout}", "pass e.g. --timeout 600")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        fail(f"--peak_tflops must be positive, got {args.peak_tflops}",
+             "pass one device's peak, e.g. --peak_tflops 312")
     args.threads = args.all if args.threads is None else args.threads
     args.extras = args.extras or args.all
     named = [name.strip() for name in (args.only or ",".join(BENCHMARKS)).split(",") if name.strip()]
@@ -386,6 +393,9 @@ def launch_jobs(setting, args, flags, tmp):
         if limit:
             env["MASTER_PORT"] = str(ports[i])  # the script hosts its own rendezvous there
             env["CUDA_VISIBLE_DEVICES"] = gpus[i] if gpus else env["CUDA_VISIBLE_DEVICES"]
+        peak = getattr(args, "peak_tflops", None)  # the Transformer's MFU: one device's peak
+        if peak and setting.spec.get("mfu") and "--peak_tflops" in flags:
+            cmd = cmd + ["--peak_tflops", str(peak)]
         jobs.append((cmd + corpus_args(setting.spec, world, cwd) + ["--metrics", metrics], cwd, env, metrics))
     return jobs
 
@@ -583,6 +593,8 @@ def file_run(setting, record, out, device):
             entry["runs"].append(figure)
             setting.how.add(how)
             setting.steps.add(part.get("steps"))
+            if isinstance(part.get("mfu"), (int, float)):  # the Transformer, where it knows its devices' peak
+                entry.setdefault("mfu", []).append(part["mfu"])
         for key, value in figures.items():
             entry["figures"].setdefault(key, []).append(value)
     if not parts:
@@ -680,6 +692,8 @@ def row(setting, mode, part):
               "limit_throughput": None, "limit_runs": [], "limit_per_process": []}
     if part["figures"]:
         record["figures"] = {k: statistics.median(v) for k, v in part["figures"].items()}
+    if part.get("mfu"):
+        record["mfu"] = statistics.median(part["mfu"])  # model FLOP utilization, of its runs' median
     return record
 
 
@@ -702,6 +716,8 @@ def row_line(r):
     runs = " ".join(number(x) for x in r["runs"])
     if r.get("limit_runs"):
         runs += " | limit " + " ".join(number(x) for x in r["limit_runs"])
+    if r.get("mfu") is not None:
+        runs += f" | MFU {100 * r['mfu']:.2f}%"
     return (f"{r['section']:10} {r['benchmark']:12} {r['mode']:16} {r['world_size']:>3} {threads:>8} "
             f"{r['thread_policy']:18} {figure:>12} {r['unit']:10} {ratio['efficiency']:>6} "
             f"{ratio['limit_efficiency']:>6} {ratio['of_limit']:>7}  {runs}")

@@ -20,6 +20,8 @@ Launch:
         --grad_accum 4 --amp bf16 --sample 500           # your own text, bigger effective batch
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --epochs 2     # whole epochs instead
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --max_steps 200 --resume  # continue
+    torchrun --standalone --nproc-per-node=4 ddp_transformer.py --max_steps 200 --resume  # ... at world 4
+    torchrun --standalone --nproc-per-node=gpu ddp_transformer.py --peak_tflops 989       # MFU against your peak
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --compile      # torch.compile + DDP
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --dataset toy  # the seed's run
 
@@ -46,7 +48,9 @@ future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead, o
 device, and no mask is built on the CPU), trains on real text instead of constant
 rows, and adds what real training needs: AdamW, gradient clipping, a warmup + cosine
 schedule, gradient accumulation with `no_sync()`, AMP, torch.compile, exact distributed
-validation, tokens/s and FLOP/s, and checkpoints that resume mid-epoch. Nearest sibling:
+validation, tokens/s, FLOP/s and MFU, and checkpoints that resume mid-epoch at any world
+size: the place in the epoch is counted in windows of the epoch's order, and the global
+batch is kept (see epoch_steps and keep_global_batch). Nearest sibling:
 ddp_gpus_torchrun.py (same launch and setup; a linear model instead of a Transformer).
 The robustness every script shares (errors, ports, timeouts, Ctrl-C, the replica
 check) is in the harness block at the end of the file, the same in every script.
@@ -58,6 +62,7 @@ import contextlib
 import hashlib
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -106,9 +111,10 @@ def add_length_args(p):
                         "default on toy: the seed's 200)")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=None, metavar="N",
                    help="windows per micro-batch, per process (default: 8 on text, 2 on toy); "
-                        "one optimizer step sees N x grad_accum x world size windows")
-    p.add_argument("--grad_accum", type=int, default=1, metavar="K",
-                   help="micro-batches per optimizer step; the first K-1 skip the all-reduce")
+                        "one optimizer step sees N x grad_accum x world size windows (the global batch)")
+    p.add_argument("--grad_accum", type=int, default=None, metavar="K",
+                   help="micro-batches per optimizer step; the first K-1 skip the all-reduce (default: 1; "
+                        "with --resume at another world size, what keeps the checkpoint's global batch)")
 
 
 def add_optimizer_args(p):
@@ -119,6 +125,9 @@ def add_optimizer_args(p):
     p.add_argument("--warmup", type=float, default=0.1, metavar="FRACTION",
                    help="fraction of the run's steps spent warming the learning rate up, "
                         "then it decays along a cosine to a tenth")
+    p.add_argument("--lr_decay_steps", type=int, default=None, metavar="N",
+                   help="length of that schedule in optimizer steps (as nanoGPT's lr_decay_iters; default: "
+                        "the run's length): a run stopped early follows the schedule of the longer one")
     p.add_argument("--clip", type=float, default=1.0, metavar="NORM",
                    help="clip the global gradient norm to NORM (0: off)")
     p.add_argument("--seed", type=int, default=0, help="seed for the weights, the shuffle and the sample")
@@ -166,7 +175,14 @@ def add_run_args(p):
                    help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
     p.add_argument("--checkpoint", default="ddp_transformer.pt", metavar="PATH",
                    help="checkpoint written by rank 0 at the end of every epoch and of the run")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--save_every_steps", type=int, default=0, metavar="N",
+                   help="also checkpoint every N optimizer steps, so a lost node costs at most N steps (0: off)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint, at any world size: its global batch and its place in the "
+                        "epoch are kept")
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
+                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
+                        "common GPUs, looked up by name; none on CPU)")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
@@ -178,6 +194,9 @@ def add_run_args(p):
 def fill_defaults(args):
     """The defaults that depend on --dataset: a character model on text, the seed's run on toy."""
     toy = args.dataset == "toy"
+    # what the user chose of the step's split; on --resume the rest is chosen to keep the global batch
+    args.passed = {n: getattr(args, n) for n in ("batch_size", "grad_accum") if getattr(args, n) is not None}
+    args.grad_accum = 1 if args.grad_accum is None else args.grad_accum
     for name, text_default, toy_default in (("batch_size", 8, 2), ("block_size", 128, 9),
                                             ("d_model", 128, 12), ("num_layers", 4, 2)):
         if getattr(args, name) is None:
@@ -198,9 +217,9 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
-    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "block_size", "d_model",
-                   "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout")
-    for name in ("eval_every", "log_every", "sample"):
+    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+                   "d_model", "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout", "peak_tflops")
+    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
     if args.d_model % 2 or args.d_model % args.num_heads:
@@ -303,22 +322,22 @@ def unigram_entropy(text):
 
 
 class Windows(Dataset):
-    """Non-overlapping windows of `block` + 1 tokens cut from one long tensor.
+    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens: window i is
+    tokens[i*block : i*block + block + 1], whose last token is window i+1's first input.
 
-    Indexing with a tensor of window indices returns a whole batch `(inputs, targets)`
-    by one gather, so no DataLoader (and no per-sample Python) sits in the step.
+    `Tensor.unfold` makes them a view of the tokens (no copy). Indexing with a tensor of window
+    indices returns a whole batch `(inputs, targets)` by one gather, so no DataLoader (and no
+    per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
-        self.tokens, self.block = tokens, block
-        self.offsets = torch.arange(block + 1, device=tokens.device)
+        self.rows = tokens.unfold(0, block + 1, block)
 
     def __len__(self):
-        return (len(self.tokens) - 1) // self.block
+        return len(self.rows)
 
     def __getitem__(self, index):
-        index = torch.as_tensor(index, device=self.tokens.device)
-        rows = self.tokens[index.unsqueeze(-1) * self.block + self.offsets]
+        rows = self.rows[torch.as_tensor(index, device=self.rows.device)]
         return rows[..., :-1], rows[..., 1:]
 
 
@@ -345,6 +364,23 @@ def build_data(args, text, vocab, device):
     tokens = torch.tensor([lookup[c] for c in text], dtype=torch.long, device=device)
     split = int(len(tokens) * (1 - VAL_FRACTION))
     return Windows(tokens[:split], args.block_size), Windows(tokens[split:], args.block_size)
+
+
+def epoch_steps(sampler, global_batch, first=0, device="cpu"):
+    """(step s, this rank's windows, the step's windows on all ranks) for the epoch's steps from `first`.
+
+    Step s trains positions [s x G, (s+1) x G) of the epoch's shuffled order (G: the global batch),
+    rank r the positions r, r+W, r+2W, ... among them: the same batches at any world size W, so the
+    place in the epoch is kept in windows and a checkpoint continues at any W that keeps G.
+    """
+    n, world, rank = len(sampler.dataset), sampler.num_replicas, sampler.rank
+    # DistributedSampler pads the order to a multiple of W by repeating its first windows, as many as W
+    # makes: cut them off (rank r's own positions are r, r+W, ... below n), so each is trained once
+    mine = torch.tensor(list(sampler), dtype=torch.long, device=device)[:len(range(rank, n, world))]
+    share = global_batch // world
+    for s in range(first, math.ceil(n / global_batch)):
+        # the epoch's last step holds what is left: fewer windows, on some ranks maybe none
+        yield s, mine[s * share:(s + 1) * share], min(global_batch, n - s * global_batch)
 
 
 def text_fingerprint(text):
@@ -376,7 +412,13 @@ class PositionalEncoding(nn.Module):
 
 
 def causal_attention(q, k, v, dropout_p=0.0):
-    """Scaled dot-product attention in which position t attends to positions <= t only."""
+    """Scaled dot-product attention in which position t attends to positions <= t only.
+
+    Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
+    `is_causal` is only a hint that still needs the T x T mask built and passed (torch 2.14's
+    multi_head_attention_forward raises without it), their weights have other names (every
+    checkpoint would change), and attention could not stay in fp32 under CPU bf16 autocast.
+    """
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # torch's CPU flash-attention backward is several times slower in bf16 than in
         # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
@@ -394,7 +436,9 @@ class MultiHeadSelfAttention(nn.Module):
 
     def forward(self, x):
         batch, length, width = x.shape
-        q, k, v = self.qkv_linear(x).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        # every size spelled out: a rank may hold no window of an epoch's last step (an empty batch)
+        heads = (batch, length, 3, self.num_heads, width // self.num_heads)
+        q, k, v = self.qkv_linear(x).view(heads).permute(2, 0, 3, 1, 4)
         # is_causal instead of a mask: the seed's mask was inverted and built on the CPU
         out = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.out_linear(out.transpose(1, 2).reshape(batch, length, width))
@@ -466,6 +510,49 @@ def flops_per_token(model, block):
     return 6 * matmul_params + 12 * len(model.layers) * width * block
 
 
+# One device's dense peak TFLOP/s, from the vendors' datasheets, whose headline tensor-core figures
+# assume 2:4 sparsity (the dense figure is half; the sparse one is quoted below). fp32 is the CUDA cores'
+# figure: torch multiplies fp32 matrices without TF32 unless set_float32_matmul_precision is changed.
+# Matched against the device's name in this order (torch.cuda.get_device_name, also on ROCm).
+PEAK_TFLOPS = (
+    (r"H100.*(PCIe|HBM2e)", {"fp32": 51, "bf16": 756, "fp16": 756}),  # NVIDIA H100 datasheet, PCIe (1,513 sparse)
+    (r"H100.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H100 datasheet, H100 NVL (1,671 sparse)
+    (r"H100.*(HBM3|SXM)", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H100 datasheet, SXM (1,979 sparse)
+    (r"\bH200\b.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H200 datasheet, H200 NVL (1,671 sparse)
+    (r"\bH200\b", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H200 datasheet, H200 SXM (1,979 sparse)
+    (r"A100", {"fp32": 19.5, "bf16": 312, "fp16": 312}),  # NVIDIA A100 datasheet, SXM and PCIe alike (624 sparse)
+    (r"L40S", {"fp32": 91.6, "bf16": 362, "fp16": 362}),  # NVIDIA L40S datasheet (733 sparse)
+    (r"\bL4\b", {"fp32": 30.3, "bf16": 121, "fp16": 121}),  # NVIDIA L4 datasheet (242 sparse)
+    # the A10G (AWS G5) has no NVIDIA datasheet: the A10's (the same GA102 chip; 250 sparse), which
+    # comparisons of the two find the A10G's tensor cores below, so its MFU may read low
+    (r"A10G", {"fp32": 31.2, "bf16": 125, "fp16": 125}),
+    (r"V100S", {"fp32": 16.4, "fp16": 130}),  # NVIDIA V100 datasheet, V100S PCIe (Volta: no bf16, no sparsity)
+    (r"V100.*SXM", {"fp32": 15.7, "fp16": 125}),  # NVIDIA V100 datasheet, SXM2
+    (r"V100.*PCIE", {"fp32": 14, "fp16": 112}),  # NVIDIA V100 datasheet, PCIe
+    (r"MI300X", {"fp32": 163.4, "bf16": 1307.4, "fp16": 1307.4}),  # AMD's MI300X peak table (2,614.9 sparse)
+)
+
+
+def device_peak(args, device):
+    """(One device's peak FLOP/s for the MFU, or None; where it comes from, or why there is none.)"""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, f"--peak_tflops {args.peak_tflops:g}"
+    if device.type == "cpu":
+        return None, "no peak is known for the CPU"
+    get_name = getattr(torch.get_device_module(device), "get_device_name", None)
+    return peak_of(get_name(device) if get_name else device.type, {"off": "fp32"}.get(args.amp, args.amp))
+
+
+def peak_of(name, precision):
+    """PEAK_TFLOPS's figure for a device name at fp32, bf16 or fp16, in FLOP/s; (None, why) if it has none."""
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            if precision not in peaks:
+                return None, f"{name} has no {precision} figure in the table (it emulates {precision})"
+            return peaks[precision] * 1e12, f"{name}, dense {precision}, from its datasheet"
+    return None, f"no peak is known for {name}"
+
+
 # ---------------------------------------------------------------- train / evaluate
 def make_optimizer(model, args):
     if args.optimizer == "sgd":
@@ -481,7 +568,12 @@ def make_optimizer(model, args):
 
 
 def lr_at(step, total, args):
-    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10."""
+    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
+
+    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
+    they are built and keep a step count of their own in the checkpoint, while a run resumed
+    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
+    """
     warm = int(args.warmup * total)
     if step < warm:
         return args.lr * (step + 1) / warm
@@ -494,24 +586,28 @@ def autocast(amp, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def train_step(model, optimizer, scaler, micro_batches, amp, clip):
+def train_step(model, optimizer, scaler, micro_batches, amp, clip, step_tokens=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens) on the device.
 
     The official way to accumulate under DDP is `model.no_sync()`: the first K-1
     backward passes only add into .grad locally, the K-th all-reduces the sum once.
-    Each micro-batch's mean loss is weighted by its share of the step's tokens, so the
-    step equals one step on the concatenated batch.
+    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
+    Each micro-batch's summed loss is divided by them and multiplied by the world size,
+    which DDP's average divides by again: the step is one step on the mean over every token
+    of the global batch, also where the ranks hold unequal shares (an epoch's last step).
     """
     tokens = sum(y.numel() for _, y in micro_batches)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    scale = world / (step_tokens or tokens * world)
     loss_sum = torch.zeros((), device=micro_batches[0][1].device)
     for i, (x, y) in enumerate(micro_batches):
         sync = i == len(micro_batches) - 1
         with contextlib.nullcontext() if sync else model.no_sync():
             with amp:
                 logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            scaler.scale(loss * (y.numel() / tokens)).backward()
-        loss_sum += loss.detach() * y.numel()
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            scaler.scale(loss * scale).backward()
+        loss_sum += loss.detach()
     if clip:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -562,7 +658,7 @@ def generate(model, vocab, prompt, count, seed):
 def read_checkpoint(args, vocab):
     """The --resume checkpoint, for this model and this text; anything else is one clear error."""
     state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "config", "vocab", "epoch", "step",
-                                              "batch_in_epoch"))
+                                              "windows_in_epoch", "global_batch", "batch_size", "world_size"))
     config = model_config(args, vocab)
     theirs = state["config"] if isinstance(state["config"], dict) else {}
     differ = sorted(k for k in config if theirs.get(k) != config[k])
@@ -576,12 +672,61 @@ def read_checkpoint(args, vocab):
     return state
 
 
+def choose_split(global_batch, world, passed, usual):
+    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
+
+    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
+    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
+    that divides this process's share of the step, and as many micro-batches as that takes.
+    """
+    if global_batch % world:
+        return None
+    share = global_batch // world  # windows per process per step
+    if "batch_size" in passed:
+        batches = [passed["batch_size"]]
+    elif "grad_accum" in passed:
+        batches = [share // passed["grad_accum"]]
+    else:
+        batches = range(min(usual, share), 0, -1)
+    for batch in batches:
+        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
+            return batch, share // batch
+    return None
+
+
+def keep_global_batch(args, state, world):
+    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
+    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
+
+    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
+    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
+    one, and the optimization (and the learning rate tuned for it) does not change under it.
+    """
+    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
+    split = choose_split(wanted, world, args.passed, usual)
+    if split is None:
+        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
+        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
+        fix = f"resume at {fits} processes"
+        if flags:
+            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
+                else f"drop {flags} and {fix}"
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({then} processes), "
+             f"which cannot be kept at {world} processes" + (f" with {flags}" if flags else ""),
+             f"{fix}; or start afresh with another --checkpoint")
+    if split != (args.batch_size, args.grad_accum):
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({then} processes), so each "
+               f"step trains the batch an uninterrupted run would: here {world} processes x --batch_size "
+               f"{split[0]} x --grad_accum {split[1]}")
+    args.batch_size, args.grad_accum = split
+
+
 # ---------------------------------------------------------------- trainer
 def global_mean(loss_sum, count, device):
-    """Mean of a loss summed over `count` tokens on each rank, reduced over all ranks."""
+    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
     totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
     dist.all_reduce(totals)
-    return (totals[0] / totals[1]).item() if totals[1] else float("nan")
+    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
 
 
 def run_length(steps_per_epoch, args):
@@ -607,15 +752,24 @@ class Trainer:
         self.train_set, self.val_set, self.vocab, self.config = data
         self.optimizer, self.scaler, self.device, self.args = optimizer, scaler, device, args
         self.amp = autocast(args.amp, device)
-        self.epochs_run, self.batch_in_epoch, self.step = 0, 0, 0
+        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
+        self.epochs_run, self.windows_in_epoch, self.step = 0, 0, 0
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.ddp = wrap(model, device, args)
         self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
-        self.steps_per_epoch = math.ceil(math.ceil(len(self.sampler) / args.batch_size) / args.grad_accum)
+        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
+        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
+        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
         self.total, self.epochs = run_length(self.steps_per_epoch, args)
-        # this invocation: optimizer steps, tokens per rank, seconds after the first step, and that step's
+        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
+        peak, self.peak_source = device_peak(args, device)
+        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
+        self.flops_per_token = flops_per_token(model, args.block_size)
+        # this invocation: optimizer steps, tokens of all ranks and seconds after the first step, that step's
+        # seconds, where the log interval began (time, tokens), windows per epoch, seconds per checkpoint
         self.steps, self.tokens, self.seconds, self.clock, self.first_step_s = 0, 0, 0.0, None, 0.0
+        self.mark, self.windows, self.save_s = None, [], []
         self.log_sum, self.log_count = torch.zeros((), device=device), 0
 
     def _load_checkpoint(self, state):
@@ -626,16 +780,23 @@ class Trainer:
             print0(f"note: {self.args.checkpoint} holds no fp16 loss scale: the GradScaler starts afresh")
         else:
             self.scaler.load_state_dict(state["scaler"])  # a no-op when --amp is not fp16
-        self.epochs_run, self.batch_in_epoch, self.step = state["epoch"], state["batch_in_epoch"], state["step"]
+        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
+        self.step = state["step"]
 
-    def _save_checkpoint(self, epoch, steps_done):
-        finished = steps_done == self.steps_per_epoch
+    def _save_checkpoint(self, epoch):
+        """The position in global units, the windows of the epoch's order trained and the global batch
+        that trained them, so that any world size that keeps the global batch can continue."""
+        finished = self.windows_in_epoch == len(self.train_set)
+        start = time.perf_counter()
         if dist.get_rank() == 0:
             save_checkpoint({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                              "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
-                             "batch_in_epoch": 0 if finished else steps_done}, self.args.checkpoint)
+                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                             "world_size": dist.get_world_size()}, self.args.checkpoint)
         dist.barrier()  # nobody reads the checkpoint before it is complete
+        self.save_s.append(time.perf_counter() - start)
 
     def validate(self):
         """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
@@ -644,11 +805,12 @@ class Trainer:
         dist.all_reduce(totals)
         return (totals[0] / totals[1]).item()
 
-    def _run_step(self, micro_batches):
+    def _run_step(self, micro_batches, step_windows):
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.total, self.args)
+            group["lr"] = lr_at(self.step, self.schedule, self.args)
+        step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
         loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
-                                      self.args.clip)
+                                      self.args.clip, step_tokens)
         self.step, self.steps = self.step + 1, self.steps + 1
         self.log_sum += loss_sum
         self.log_count += tokens
@@ -657,35 +819,53 @@ class Trainer:
                 torch.accelerator.synchronize(self.device)
             self.clock = time.perf_counter()
             self.first_step_s = self.clock - self.started
+            self.mark = (self.clock, 0)
         else:
-            self.tokens += tokens
+            self.tokens += step_tokens
         return loss_sum, tokens
+
+    def mfu_text(self, tokens, seconds):
+        """` | MFU 41.20%`: model FLOPs per second over the peak of every device in use (none unknown)."""
+        if not self.peak or not seconds > 0:
+            return ""
+        return f" | MFU {100 * tokens * self.flops_per_token / seconds / self.peak:.2f}%"
 
     def _log(self):
         args, step = self.args, self.step
         if args.log_every and step % args.log_every == 0:
-            loss = global_mean(self.log_sum, self.log_count, self.device)
+            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
             self.log_sum, self.log_count = torch.zeros((), device=self.device), 0
-            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}")
+            now, mfu = time.perf_counter(), ""
+            if self.mark is not None:  # the MFU of the steps since the last line (the first step left out)
+                mfu = self.mfu_text(self.tokens - self.mark[1], now - self.mark[0])
+                self.mark = (now, self.tokens)
+            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+                   + mfu)
         if args.eval_every and step % args.eval_every == 0 and step < self.total:
             start = time.perf_counter()
             print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
-            self.seconds -= time.perf_counter() - start  # evaluation is not training time
+            spent = time.perf_counter() - start
+            self.seconds -= spent  # evaluation is not training time, nor part of the next line's MFU
+            if self.mark is not None:
+                self.mark = (self.mark[0] + spent, self.mark[1])
 
     def _run_epoch(self, epoch):
-        """Train one epoch (from where a checkpoint left it); returns (global mean loss, steps, tokens)."""
+        """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
+        n, g = len(self.train_set), self.global_batch
         self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        batches = torch.tensor(list(self.sampler), device=self.device).split(self.args.batch_size)
-        k, done = self.args.grad_accum, self.batch_in_epoch
         loss_sum, count = torch.zeros((), device=self.device), 0
-        for first in range(done * k, len(batches), k):
+        for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
             if self.step >= self.total:
                 break
-            step_sum, tokens = self._run_step([self.train_set[b] for b in batches[first:first + k]])
-            loss_sum, count, done = loss_sum + step_sum, count + tokens, done + 1
+            micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
+            step_sum, tokens = self._run_step(micro_batches, step_windows)
+            loss_sum, count, self.windows_in_epoch = loss_sum + step_sum, count + tokens, min(n, (s + 1) * g)
             self._log()
-        self.batch_in_epoch = 0
-        return global_mean(loss_sum, count, self.device), done, count
+            if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
+                    and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
+                self._save_checkpoint(epoch)
+        loss, tokens = global_mean(loss_sum, count, self.device)
+        return loss, math.ceil(self.windows_in_epoch / g), tokens // self.args.block_size
 
     def train(self):
         """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
@@ -694,21 +874,24 @@ class Trainer:
             if self.step >= self.total:
                 break
             start = time.perf_counter()
-            loss, done, tokens = self._run_epoch(epoch)
+            loss, done, windows = self._run_epoch(epoch)
             seconds = time.perf_counter() - start
             history.append(loss)
+            self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
             ended = epoch + 1
-            self._save_checkpoint(epoch, done)
+            self._save_checkpoint(epoch)
+            tokens = windows * self.args.block_size
             print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-                   f"{tokens * dist.get_world_size() / seconds:.0f} tokens/s | {seconds:.2f} s | "
-                   f"checkpoint {self.args.checkpoint}")
+                   f"{windows} windows | {tokens / seconds:.0f} tokens/s{self.mfu_text(tokens, seconds)} | "
+                   f"{seconds:.2f} s | checkpoint {self.args.checkpoint}")
+            self.windows_in_epoch = 0  # the next epoch starts at its beginning
         if self.clock is not None:
             self.seconds += time.perf_counter() - self.clock
         return history, ended
 
     def tokens_per_s(self):
         """Training tokens per second of all ranks together, after the first step."""
-        return self.tokens * dist.get_world_size() / self.seconds if self.seconds > 0 else 0.0
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 # ---------------------------------------------------------------- main
@@ -724,6 +907,11 @@ def train(device, args, corpus, checkpoint):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16 needs loss scaling
     trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
                       make_optimizer(model, args), scaler, device, args, checkpoint)
+    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
+    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
+    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
+                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
+                             "node sees, or copy the newest one to every node")
     entropy = unigram_entropy(text) if vocab else None
     describe(trainer, name, entropy)
     first_val = trainer.validate()
@@ -750,14 +938,18 @@ def describe(trainer, name, entropy):
            f"{' | compiled' if args.compile else ''} | {trainer.total} steps = "
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
            f"of {args.grad_accum} x {args.batch_size} x {world} windows")
-    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}"
+    print0(f"MFU against {world} x {trainer.peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if trainer.peak
+           else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
+                f"at this precision)")
+    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
+           f"{trainer.windows_in_epoch} of {len(trainer.train_set)} in the epoch's order"
            if args.resume else "starting from scratch")
 
 
 def report(trainer, history, epochs, losses, in_sync, args):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
     first_val, val, entropy = losses
-    tokens_per_s, fpt = trainer.tokens_per_s(), flops_per_token(trainer.model, args.block_size)
+    tokens_per_s, fpt = trainer.tokens_per_s(), trainer.flops_per_token
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
@@ -765,7 +957,11 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
         "block_size": args.block_size, "elapsed_s": trainer.seconds, "first_step_s": trainer.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt,
+        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": trainer.peak,
+        "mfu": tokens_per_s * fpt / trainer.peak if trainer.peak else None, "peak_source": trainer.peak_source,
+        "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
+        "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
+        "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
         "losses": history, "first_val_loss": first_val, "val_loss": val, "unigram_entropy": entropy,
         "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
@@ -774,7 +970,8 @@ def report(trainer, history, epochs, losses, in_sync, args):
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}\nthroughput: {tokens_per_s:.0f} tokens/s on "
            f"{summary['world_size']} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + "
-           f"attention) | first step {trainer.first_step_s:.1f} s" + (" (compiling)" if args.compile else ""))
+           f"attention){trainer.mfu_text(trainer.tokens, trainer.seconds)} | "
+           f"first step {trainer.first_step_s:.1f} s" + (" (compiling)" if args.compile else ""))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
@@ -788,6 +985,8 @@ def main():
     corpus = read_corpus(args)
     # a bad checkpoint is refused (one line) before any process group exists
     checkpoint = read_checkpoint(args, corpus[2]) if args.resume else None
+    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
+        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
     prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
     device = setup(args)
     try:

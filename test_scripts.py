@@ -695,6 +695,7 @@ def test_transformer_default_run_beats_the_unigram_entropy(run_sh):
     assert m["params"] == sum(p.numel() for p in Transformer(vocab, 128, 4, 512, 4, 128).parameters())
     out = mode_output(run_sh, "transformer")
     assert out.strip().splitlines()[-2].startswith("done:") and out.count("sample (") == 1  # then run.sh's "ok:"
+    assert m["mfu"] is None and out.count("note: no MFU: no peak is known for the CPU") == 1  # no --peak_tflops
     spe = m["steps_per_epoch"]
     assert f"| {m['max_steps']} steps = {m['max_steps'] / spe:.2f} epochs of {spe} steps of 1 x 8 x 2 windows" in out
 
@@ -759,11 +760,16 @@ def test_transformer_default_run_learns_a_new_text_at_any_world_size(launch, scr
 
 
 def test_transformer_toy_loss_falls(launch, script, torchrun, metrics, tmp_path):
-    launch(torchrun2(torchrun, script, "--dataset", "toy", "--epochs", "30", "--metrics", "m.json"), timeout=300)
+    # --peak_tflops: the MFU against 2 devices of 0.5 TFLOP/s each (issue 17), in each log line and the metrics
+    out = launch(torchrun2(torchrun, script, "--dataset", "toy", "--epochs", "30", "--metrics", "m.json",
+                           "--peak_tflops", "0.5"), timeout=300).stdout
     m = metrics(tmp_path / "m.json")
     assert m["steps_per_epoch"] == 3 and m["steps"] == 90  # 12 rows / (2 ranks x 2 rows), as in the seed
     assert m["final_loss"] < m["first_loss"] - 0.2, m["losses"]
     assert m["val_loss"] < m["first_val_loss"]
+    assert m["peak_flops"] == 1e12 and m["mfu"] == m["flops_per_s"] / 1e12 and m["windows"] == [12] * 30, m
+    assert "MFU against 2 x 0.5 TFLOP/s (--peak_tflops 0.5)" in out and re.search(r"^step 20/90 \| .* \| MFU [\d.]+%$", out,
+                                                                                 flags=re.MULTILINE), out
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -777,12 +783,15 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
                                                      capsys):
     """run.sh's transformer mode (2 ranks, 60 steps = 1 epoch and 7 steps) ends with a mid-epoch checkpoint
     that loads with weights_only into a fresh model giving exactly the reported validation loss; resumed
-    under --amp fp16 it trains 4 more steps (a fresh GradScaler, said once) and saves its place again."""
+    under --amp fp16 by one process it keeps the global batch, trains 4 more steps (a fresh GradScaler,
+    said once) and saves its place again."""
     m1 = mode_metrics(run_sh, "transformer")
     shutil.copy(run_sh.work / "transformer" / "ddp_transformer.pt", tmp_path / "ck.pt")
     state = torch.load(tmp_path / "ck.pt", map_location="cpu", weights_only=True)
     spe = m1["steps_per_epoch"]
-    assert state["step"] == m1["steps"] and (state["epoch"], state["batch_in_epoch"]) == divmod(m1["steps"], spe)
+    epoch, steps_in = divmod(m1["steps"], spe)  # the position in global units: windows of the epoch's order
+    assert state["step"] == m1["steps"] and state["global_batch"] == 16, state["global_batch"]
+    assert (state["epoch"], state["windows_in_epoch"]) == (epoch, steps_in * 16)
     assert not any(k.startswith("module.") for k in state["model"])
     model = Transformer(**state["config"])
     model.load_state_dict(state["model"])  # strict: every weight, nothing else
@@ -796,17 +805,21 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     assert (totals[0] / totals[1]).item() == pytest.approx(m1["val_loss"], rel=1e-5)
 
     steps = m1["steps"] + 4
-    out = launch(torchrun2(torchrun, script, "--checkpoint", "ck.pt", "--resume", "--max_steps", steps, "--sample", "0",
-                           "--amp", "fp16", "--metrics", "m2.json"), timeout=300)
+    # resumed by plain python, a world of one: the global batch of 2 x 8 windows is kept (2 micro-batches)
+    out = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--checkpoint", "ck.pt", "--resume",
+                  "--max_steps", steps, "--sample", "0", "--amp", "fp16", "--metrics", "m2.json"], timeout=300)
     m2 = metrics(tmp_path / "m2.json")
     assert f"resuming from ck.pt at epoch {state['epoch']}, step {m1['steps']}" in out.stdout, out
+    assert out.stdout.count("global batch kept: 16 windows a step") == 1, out
+    assert "here 1 processes x --batch_size 8 x --grad_accum 2" in out.stdout, out
     assert out.stdout.count("holds no fp16 loss scale: the GradScaler starts afresh") == 1, out
     assert m2["resumed_from_epoch"] == state["epoch"] and m2["steps"] == 4, m2
     # continued, not restarted: an untrained model starts near the first validation loss (4.8 on this corpus)
     assert m2["first_loss"] < m1["first_val_loss"] - 1, (m1, m2["losses"])
     assert m2["amp"] == "fp16" and m2["replicas_in_sync"] is True, m2
     after = torch.load(tmp_path / "ck.pt", weights_only=True)
-    assert after["step"] == steps and (after["epoch"], after["batch_in_epoch"]) == divmod(steps, spe)  # mid-epoch
+    epoch, steps_in = divmod(steps, spe)
+    assert after["step"] == steps and (after["epoch"], after["windows_in_epoch"]) == (epoch, steps_in * 16)  # mid-epoch
     assert after["scaler"]["scale"] > 0, after["scaler"]
 
     # a checkpoint of another model is refused before any process group exists (in this process)

@@ -1,0 +1,340 @@
+"""ddp_transformer.py at another world size: the position in global units, the global batch kept, MFU.
+
+Default tier, in this process (no launch): the split chooser and its one-line answers, the position
+arithmetic (every window of an epoch once at any world size, the sampler's padding counted), the
+unfold windows, the peak table, bench's MFU column.
+
+Slow tier (launches, one uninterrupted run feeding every comparison): a world-2 run to step 40
+against the same run stopped at step 20 and resumed at world 1 and at world 4; 2 -> 3 is one error
+line; ranks that resumed at different steps are one error line.
+"""
+import contextlib
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import types
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+import ddp_transformer
+from conftest import ROOT, cpu_env, read_metrics, run_bounded, torchrun_cmd
+
+SCRIPT = str(ROOT / "ddp_transformer.py")
+
+
+# ================================================================ default tier: in this process
+def test_the_split_keeps_the_global_batch_from_what_the_user_did_not_pass():
+    choose = ddp_transformer.choose_split
+    # nothing passed: the checkpoint's per-process batch (8) where it divides the share, else the largest below
+    assert choose(16, 2, {}, 8) == (8, 1)
+    assert choose(16, 1, {}, 8) == (8, 2)  # shrink: the same micro-batch, twice the accumulation
+    assert choose(16, 4, {}, 8) == (4, 1)  # grow: a smaller per-process batch
+    assert choose(16, 16, {}, 8) == (1, 1)
+    assert choose(24, 2, {}, 8) == (6, 2)  # 12 windows per process: 8 does not divide it, 6 does
+    assert choose(16, 3, {}, 8) is None and choose(16, 32, {}, 8) is None  # no split of 16 over 3 (or 32)
+    # what the user passed is kept, the rest chosen; a passed value that cannot keep G: no split
+    assert choose(16, 1, {"grad_accum": 4}, 8) == (4, 4)
+    assert choose(16, 2, {"batch_size": 2}, 8) == (2, 4)
+    assert choose(16, 4, {"batch_size": 8}, 8) is None
+    assert choose(16, 2, {"batch_size": 4, "grad_accum": 2}, 8) == (4, 2)
+    assert choose(16, 2, {"batch_size": 4, "grad_accum": 1}, 8) is None
+    assert choose(16, 2, {"grad_accum": 3}, 8) is None
+
+
+STATE = {"global_batch": 16, "batch_size": 8, "world_size": 2}
+
+
+def keep(world, capsys, monkeypatch, **passed):
+    """keep_global_batch as main() calls it, on rank 0 of a job (a checkpoint of 2 x 8 x 1 windows)."""
+    monkeypatch.delenv("RANK", raising=False)
+    args = types.SimpleNamespace(passed=passed, batch_size=passed.get("batch_size", 8),
+                                 grad_accum=passed.get("grad_accum", 1), checkpoint="ck.pt")
+    code = None
+    try:
+        ddp_transformer.keep_global_batch(args, STATE, world)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return args, code, out.out.strip().splitlines(), out.err.strip().splitlines()
+
+
+def test_keeping_the_global_batch_says_what_it_chose_or_one_error_line(capsys, monkeypatch):
+    args, code, out, err = keep(4, capsys, monkeypatch)
+    assert code is None and (args.batch_size, args.grad_accum) == (4, 1) and not err
+    assert out == ["global batch kept: 16 windows a step, as ck.pt was trained (2 processes), so each step trains "
+                   "the batch an uninterrupted run would: here 4 processes x --batch_size 4 x --grad_accum 1"], out
+    args, code, out, err = keep(1, capsys, monkeypatch)
+    assert code is None and (args.batch_size, args.grad_accum) == (8, 2) and len(out) == 1
+    args, code, out, err = keep(2, capsys, monkeypatch)  # the same world: nothing chosen, nothing said
+    assert code is None and (args.batch_size, args.grad_accum) == (8, 1) and out == err == []
+    # 16 windows over 3 processes: one line naming the world sizes that fit
+    _, code, out, err = keep(3, capsys, monkeypatch)
+    assert code == 2 and out == [] and err == [
+        "error: ck.pt was trained with a global batch of 16 windows a step (2 processes), which cannot be kept "
+        "at 3 processes (resume at 1, 2, 4, 8, 16 processes; or start afresh with another --checkpoint)"], err
+    # a flag the user passed that cannot keep it: the line names the flag
+    _, code, _, err = keep(4, capsys, monkeypatch, batch_size=8)
+    assert code == 2 and len(err) == 1 and "at 4 processes with --batch_size 8 (drop --batch_size 8 and a " \
+                                           "split is chosen;" in err[0], err
+    _, code, _, err = keep(3, capsys, monkeypatch, grad_accum=3)
+    assert code == 2 and len(err) == 1 and "(drop --grad_accum 3 and resume at 1, 2, 4, 8, 16 processes;" in err[0]
+
+
+def steps_at(world, n, global_batch, epoch, first=0, seed=0):
+    """{step: [windows of every rank], windows the step counts} of one epoch at `world`, from the script's
+    own epoch_steps over each rank's DistributedSampler (which needs no process group when told its place)."""
+    steps = {}
+    for rank in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        for s, windows, count in ddp_transformer.epoch_steps(sampler, global_batch, first):
+            steps.setdefault(s, [[], count])[0].extend(windows.tolist())
+    return steps
+
+
+@pytest.mark.parametrize("n,global_batch,worlds", [(249, 16, (1, 2, 4, 8, 16)), (250, 12, (1, 2, 3, 4, 6, 12)),
+                                                   (7, 4, (1, 2, 4))])
+def test_every_window_once_an_epoch_at_any_world_size(n, global_batch, worlds):
+    """Step s trains positions [s G, (s+1) G) of the epoch's order at every world size, the last step what is
+    left; DistributedSampler's padding (which depends on the world size) is counted and never trained."""
+    order = list(DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=0))  # epoch 0's order
+    steps_per_epoch = math.ceil(n / global_batch)
+    for world in worlds:
+        shares = [len(DistributedSampler(range(n), num_replicas=world, rank=r, seed=0)) for r in range(world)]
+        assert sum(shares) - n == (-n) % world  # what the sampler pads: world-dependent
+        steps = steps_at(world, n, global_batch, epoch=0)
+        assert sorted(steps) == list(range(steps_per_epoch))
+        for s, (windows, count) in steps.items():
+            assert sorted(windows) == sorted(order[s * global_batch:(s + 1) * global_batch]), (world, s)
+            assert count == len(windows) == min(global_batch, n - s * global_batch)
+        trained = Counter(w for windows, _ in steps.values() for w in windows)
+        assert trained == Counter(range(n)), f"world {world}: a window trained twice or never"
+    # stopped after 3 steps at world 2, resumed from window 3 x G at each other world size: each window once
+    before = steps_at(2, n, global_batch, epoch=0)
+    for world in worlds:
+        after = steps_at(world, n, global_batch, epoch=0, first=1)
+        assert sorted(after) == list(range(1, steps_per_epoch))
+        trained = Counter(before[0][0] + [w for windows, _ in after.values() for w in windows])
+        assert trained == Counter(range(n)), world
+    # the next epoch (set_epoch, carried in the checkpoint) is another order, the same at every world size
+    one, most = steps_at(1, n, global_batch, epoch=1), steps_at(worlds[-1], n, global_batch, epoch=1)
+    assert all(sorted(one[s][0]) == sorted(most[s][0]) for s in one)
+    assert [w for s in sorted(one) for w in one[s][0]] != order
+
+
+def test_windows_are_the_slices_they_were():
+    """Tensor.unfold gives the same windows as the explicit slices: window i = tokens[i*T : i*T + T + 1]."""
+    for length, block in ((10, 1), (33, 4), (129, 8), (1000, 32), (65, 64)):
+        tokens = torch.randint(0, 50, (length,), generator=torch.Generator().manual_seed(length))
+        windows = ddp_transformer.Windows(tokens, block)
+        assert len(windows) == (length - 1) // block
+        for i in range(len(windows)):
+            x, y = windows[i]
+            start = i * block
+            assert torch.equal(x, tokens[start:start + block]) and torch.equal(y, tokens[start + 1:start + block + 1])
+        last = len(windows) - 1
+        x, y = windows[torch.tensor([last, 0])]  # a batch: one gather
+        assert x.shape == (2, block) and torch.equal(x[1], windows[0][0]) and torch.equal(y[0], windows[last][1])
+
+
+def test_peak_table_by_device_name_and_precision():
+    """Dense peaks (TFLOP/s) by the names torch.cuda.get_device_name reports; none for what the table lacks."""
+    peak = ddp_transformer.peak_of
+    for name, precision, tflops in (("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 PCIe", "bf16", 756),
+                                    ("NVIDIA H100 NVL", "fp16", 835), ("NVIDIA H200", "bf16", 989),
+                                    ("NVIDIA H200 NVL", "bf16", 835), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+                                    ("NVIDIA A100 80GB PCIe", "bf16", 312), ("NVIDIA L40S", "bf16", 362),
+                                    ("NVIDIA L4", "fp16", 121), ("NVIDIA A10G", "bf16", 125),
+                                    ("Tesla V100-SXM2-16GB", "fp16", 125), ("Tesla V100-PCIE-32GB", "fp32", 14),
+                                    ("AMD Instinct MI300X", "bf16", 1307.4)):
+        assert peak(name, precision)[0] == pytest.approx(tflops * 1e12), name
+    for name, precision in (("NVIDIA GH200 480GB", "bf16"), ("NVIDIA L40", "bf16"),
+                            ("NVIDIA GeForce RTX 4090", "bf16"), ("Tesla V100-SXM2-16GB", "bf16")):
+        assert peak(name, precision)[0] is None, name
+    args = types.SimpleNamespace(peak_tflops=None, amp="off")
+    assert ddp_transformer.device_peak(args, torch.device("cpu")) == (None, "no peak is known for the CPU")
+    args.peak_tflops = 0.5
+    assert ddp_transformer.device_peak(args, torch.device("cpu"))[0] == 0.5e12
+
+
+def test_bench_transformer_rows_carry_the_mfu(tmp_path):
+    """bench.py files each run's mfu (when the script knows its peak) and the row shows the median."""
+    sys.path.insert(0, str(ROOT))
+    import bench
+    spec = bench.BENCHMARKS["transformer"]
+    s = bench.Setting("scaling", "transformer", spec, 2, 1)
+    for tokens, mfu in ((100, 0.2), (120, 0.24), (110, 0.22)):
+        bench.file_run(s, {"tokens_per_s": tokens, "world_size": 2, "threads_per_process": 1, "mfu": mfu}, "",
+                       "cpu")
+    [row] = bench.rows_from([s], "cpu")
+    assert row["mfu"] == 0.22 and bench.row_line(row).endswith("100 120 110 | MFU 22.00%")
+    plain = bench.Setting("scaling", "transformer", spec, 1, 1)  # no peak known: no mfu, no column text
+    bench.file_run(plain, {"tokens_per_s": 50, "world_size": 1, "mfu": None}, "", "cpu")
+    [row] = bench.rows_from([plain], "cpu")
+    assert "mfu" not in row and "MFU" not in bench.row_line(row)
+    # bench --peak_tflops reaches the Transformer's launches
+    args = types.SimpleNamespace(device="cpu", quick=True, peak_tflops=0.08)
+    flags = {"--device", "--metrics", "--data", "--peak_tflops", *spec["sizes"](1, True)}
+    [(cmd, *_)] = bench.launch_jobs(bench.Setting("scaling", "transformer", spec, 1, 1), args, flags, str(tmp_path))
+    assert cmd[cmd.index("--peak_tflops") + 1] == "0.08"
+
+
+# ================================================================ slow tier: launches
+# A text of 8,870 characters: 249 training windows of 32 characters, so a global batch of 16 makes 16 steps an
+# epoch, the last one of 9 windows (unequal shares at world 2 and 4, where DistributedSampler pads 1 and 3).
+# 40 steps are 2.5 epochs; step 20 is 4 steps into the second. --lr_decay_steps 40: the run stopped at 20
+# follows the 40-step schedule. A small model, one thread per process: each launch takes seconds.
+TEXT_CHARS, WINDOWS = 8870, 249
+SMALL = ["--device", "cpu", "--data", "text.txt", "--d_model", "32", "--num_layers", "1", "--block_size", "32",
+         "--sample", "0", "--log_every", "1", "--lr_decay_steps", "40"]
+
+
+def torchrun(n, *args):
+    return [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", SCRIPT, *SMALL, *args]
+
+
+def hand_launch(cwd, per_rank, timeout=120):
+    """Two processes started by hand (RANK, WORLD_SIZE, MASTER_* each), each with its own arguments;
+    returns [(exit code, stdout, stderr)] per rank. Bounded: both sessions are killed at the end."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, SCRIPT, *SMALL, *args], cwd=cwd, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                              env=cpu_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=len(per_rank), OMP_NUM_THREADS=1,
+                                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank, args in enumerate(per_rank)]
+    try:
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append((p.returncode, out, err))
+        return done
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the hand-made launch did not end within {timeout} s (a hang)")
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    """Every launch once: the uninterrupted world-2 run to step 40, the run stopped at 20 (checkpointing
+    every 5 steps), its checkpoint resumed at world 1 (plain python), 4 and 3 (torchrun), and a hand-made
+    launch whose two ranks resume from different checkpoints (steps 40 and 20)."""
+    work = tmp_path_factory.mktemp("elastic")
+    (work / "text.txt").write_text(ddp_transformer.default_corpus()[:TEXT_CHARS], encoding="utf-8")
+    env, runs = cpu_env(OMP_NUM_THREADS=1), {}
+
+    def launch(name, cmd, check=True):
+        runs[name] = run_bounded(cmd, work, timeout=240, env=env, check=check)
+
+    launch("ref", torchrun(2, "--max_steps", "40", "--checkpoint", "ref.pt", "--metrics", "ref.json"))
+    launch("stop", torchrun(2, "--max_steps", "20", "--save_every_steps", "5", "--checkpoint", "stop.pt",
+                            "--metrics", "stop.json"))
+    for world in (1, 4, 3):
+        shutil.copy(work / "stop.pt", work / f"w{world}.pt")
+    resume = ["--max_steps", "40", "--resume"]
+    launch("w1", [sys.executable, SCRIPT, *SMALL, *resume, "--checkpoint", "w1.pt", "--metrics", "w1.json"])
+    launch("w4", torchrun(4, *resume, "--checkpoint", "w4.pt", "--metrics", "w4.json"))
+    launch("w3", torchrun(3, *resume, "--checkpoint", "w3.pt"), check=False)
+    runs["mixed"] = hand_launch(work, [[*resume, "--checkpoint", "ref.pt"], [*resume, "--checkpoint", "stop.pt"]])
+    return work, runs
+
+
+def step_lines(out):
+    """{step: (loss, learning rate as printed)} from the `step s/N | loss | lr` lines."""
+    return {int(s): (float(loss), lr) for s, loss, lr in
+            re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+) \| lr (\S+)", out, flags=re.MULTILINE)}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("elastic_transformer")
+@pytest.mark.parametrize("world", [1, 4])
+def test_resumed_at_another_world_size_follows_the_uninterrupted_run(elastic, world):
+    """Stopped at step 20 at world 2, resumed at world 1 (one process, --grad_accum 2 chosen) and at world 4
+    (--batch_size 4 chosen): steps 21-40 train the same global batches as the uninterrupted world-2 run.
+
+    Tolerance: the same windows, summed in another order (micro-batches of 8 x 2, 8 or 4 x 1 per process, and
+    gloo adding 1, 2 or 4 gradients) round differently in float32's last bits, about 1e-7 of a value. Losses,
+    means over thousands of tokens, keep that: equal to 1e-5 relative (measured: equal as printed, about
+    1e-7 relative in the last epoch's mean). Weights drift more where AdamW divides a near-zero gradient by its own
+    small second moment: 2e-4 absolute (measured 3e-5 at world 1 and 4e-5 at world 4 after 20 steps)."""
+    work, runs = elastic
+    ref, resumed = runs["ref"].stdout, runs[f"w{world}"].stdout
+    split = "--batch_size 8 x --grad_accum 2" if world == 1 else "--batch_size 4 x --grad_accum 1"
+    assert f"global batch kept: 16 windows a step, as w{world}.pt was trained (2 processes), so each step trains " \
+           f"the batch an uninterrupted run would: here {world} processes x {split}" in resumed, resumed
+    assert f"resuming from w{world}.pt at epoch 1, step 20, window 64 of {WINDOWS} in the epoch's order" in resumed
+    before, after = step_lines(ref), step_lines(resumed)
+    assert sorted(before) == list(range(1, 41)) and sorted(after) == list(range(21, 41)), resumed
+    for s in after:  # the same loss on each step's batch, at the same learning rate (the schedule carried)
+        assert after[s][0] == pytest.approx(before[s][0], abs=1e-4), (s, after[s], before[s])
+        assert after[s][1] == before[s][1], (s, after[s], before[s])
+    m_ref, m = read_metrics(work / "ref.json"), read_metrics(work / f"w{world}.json")
+    # the epoch after the stop, from the sampler's epoch 2 (its order carried): the same mean loss
+    assert m["losses"][-1] == pytest.approx(m_ref["losses"][-1], rel=1e-5) and m["epochs"] == m_ref["epochs"] == 3
+    assert m["val_loss"] == pytest.approx(m_ref["val_loss"], rel=1e-5) and m["replicas_in_sync"] is True
+    ours, theirs = (torch.load(work / f, weights_only=True) for f in (f"w{world}.pt", "ref.pt"))
+    assert (ours["step"], ours["epoch"], ours["windows_in_epoch"]) == (theirs["step"], theirs["epoch"],
+                                                                       theirs["windows_in_epoch"]) == (40, 2, 128)
+    for name, weight in theirs["model"].items():
+        assert torch.allclose(ours["model"][name], weight, rtol=0, atol=2e-4), name
+    print(f"world {world}: largest step-loss difference "
+          f"{max(abs(after[s][0] - before[s][0]) for s in after):.1e} (as printed), last epoch's mean "
+          f"{abs(m['losses'][-1] - m_ref['losses'][-1]) / m_ref['losses'][-1]:.1e} relative, largest weight "
+          f"difference {max((ours['model'][k] - w).abs().max().item() for k, w in theirs['model'].items()):.1e}")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("elastic_transformer")
+def test_every_window_of_the_epoch_trained_once_across_the_stop(elastic):
+    """Windows counted by the ranks (their tokens, all-reduced): each epoch 249 windows in the uninterrupted
+    run; the stopped run's 64 of its second epoch plus the resumed run's 185 make 249 at world 1 and 4.
+    The stopped run also checkpointed every 5 steps (mid-epoch), and timed each checkpoint."""
+    work, _ = elastic
+    ref, stop = read_metrics(work / "ref.json"), read_metrics(work / "stop.json")
+    assert ref["windows"] == [WINDOWS, WINDOWS, 128] and stop["windows"] == [WINDOWS, 64]
+    for world in (1, 4):
+        m = read_metrics(work / f"w{world}.json")
+        assert m["windows"] == [WINDOWS - 64, 128] and m["global_batch"] == 16 and m["world_size"] == world, m
+    # steps 5, 10, 15 (mid-epoch), 16 (the epoch's end), 20 (the run's end)
+    assert stop["checkpoints"] == 5 and stop["checkpoint_s"] > 0, stop
+    print(f"one checkpoint of the small model: {stop['checkpoint_s'] * 1000:.1f} ms (median of 5)")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("elastic_transformer")
+def test_a_global_batch_that_cannot_be_kept_is_one_error_line(elastic):
+    """2 -> 3: 16 windows do not split over 3 processes; one line names the world sizes that fit."""
+    _, runs = elastic
+    r = runs["w3"]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and errors == [
+        "error: w3.pt was trained with a global batch of 16 windows a step (2 processes), which cannot be kept at "
+        "3 processes (resume at 1, 2, 4, 8, 16 processes; or start afresh with another --checkpoint)"], r
+    assert "step 1" not in r.stdout and "Traceback (most recent call last):\n  File \"" + SCRIPT not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("elastic_transformer")
+def test_ranks_that_resumed_at_different_steps_are_one_error_line(elastic):
+    """Node-local checkpoints after a restart: rank 0 finds step 40, rank 1 step 20. Before any training step
+    the ranks compare their steps (check_same_on_every_rank): one error line, exit 2, no hang."""
+    _, runs = elastic
+    (code0, out0, err0), (code1, out1, err1) = runs["mixed"]
+    errors = [line for line in (err0 + err1).splitlines() if line.startswith("error:")]
+    assert code0 == 2 and code1 == 2, runs["mixed"]
+    assert errors == ["error: the ranks' resume steps (0: not resumed) differ: [40, 20] (every rank must read the "
+                      "same checkpoint: put --checkpoint on a file system every node sees, or copy the newest one "
+                      "to every node)"], (err0, err1)
+    assert not re.search(r"^step \d+", out0 + out1, flags=re.MULTILINE) and "Traceback" not in err0 + err1
