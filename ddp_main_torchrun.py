@@ -170,6 +170,11 @@ def select_gpus(args):
         fail(f"--gpu {args.gpu} but CUDA_VISIBLE_DEVICES={preset} shows {len(preset.split(','))} GPU(s)",
              "--gpu counts the visible GPUs from 0: pass smaller indices")
     os.environ["CUDA_VISIBLE_DEVICES"] = chosen
+    # counted after the list is set (CUDA reads it once); CUDA stops at an index the machine lacks:
+    # 0,5 on a 2-GPU machine shows 1 GPU, and training on it alone would go unsaid
+    found, asked = torch.cuda.device_count(), len(chosen.split(",")) if chosen else 0
+    if 0 < found < asked:
+        fail(f"--gpu {args.gpu} but this machine has {found} of those GPUs", "pass the numbers of GPUs it has")
 
 
 # ---------------------------------------------------------------- process group

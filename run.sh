@@ -19,7 +19,7 @@ if command -v torchrun >/dev/null 2>&1; then TORCHRUN=(torchrun); else TORCHRUN=
 # detect_machine: N processes on DEVICE. Called only when modes run or are listed: importing
 # torch takes seconds, which `bash run.sh bench` and a mistyped mode need not wait for.
 detect_machine() {
-    NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
+    NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"  # CUDA_VISIBLE_DEVICES counts
     if [ "$NGPU" -gt 0 ]; then
         N="$NGPU"; DEVICE=cuda; SMALL=(); TEST_SAMPLES="(10000 if m['dataset'] == 'mnist' else 1000)"
     else
@@ -104,7 +104,7 @@ run_torchrun() {
         --max_epochs 5 --batch_size 32 --metrics m.json && check_metrics m.json
 }
 
-mode torchrun-single "ddp_gpus_torchrun.py: plain torchrun, one process"
+extra_mode torchrun-single "ddp_gpus_torchrun.py: plain torchrun, one process"
 run_torchrun-single() {
     "${TORCHRUN[@]}" "$HERE/ddp_gpus_torchrun.py" --max_epochs 5 --batch_size 32 --metrics m.json \
         && check_metrics m.json "m['world_size'] == 1" "m['final_loss'] < m['first_loss']"
@@ -168,9 +168,10 @@ run_restart() {
     wait "$agent" && check_metrics m.json "m['restarts'] >= 1" "m['resumed_from_epoch'] >= 1" "m['epochs'] == 4"
 }
 
-mode main "ddp_main.py: the seed's MNIST ConvNet with mp.spawn, --gpu 0,1 -e 3 -b 32 (synthetic stand-in without MNIST)"
+mode main "ddp_main.py: the seed's MNIST ConvNet with mp.spawn, --gpu 0,..,N-1 -e 3 -b 32 (synthetic stand-in without MNIST)"
 run_main() {
-    "$PY" "$HERE/ddp_main.py" --gpu 0,1 -e 3 -b 32 "${SMALL[@]}" --metrics m.json \
+    # the seed's --gpu 0,1, as the GPUs this machine has (a 1-GPU job has no GPU 1; 2 CPU processes on CPU)
+    "$PY" "$HERE/ddp_main.py" --gpu "$(seq -s, 0 $((N - 1)))" -e 3 -b 32 "${SMALL[@]}" --metrics m.json \
         && check_metrics m.json "m['test_accuracy'] > 0.9" "m['final_loss'] < m['first_loss']" \
             "m['test_samples'] == $TEST_SAMPLES"
 }

@@ -451,6 +451,7 @@ def spawned(pids):
     return found
 
 
+@pytest.mark.slow  # the default suite: test_bench_run_all_starts_together_and_kills_every_session, in process
 def test_bench_stopped_mid_launch_leaves_no_process_behind(tmp_path):
     """SIGTERM to bench while its limit launch runs (two one-process worlds at once, each an
     mp.spawn parent and its worker): every process of every job goes, and the table keeps the

@@ -103,3 +103,4 @@ def test_linear_model_shrinks_and_grows_from_its_snapshot(jobs, tmp_path):
     # the lost node is a failure (one of --max-restarts); a node joining restarts without counting
     assert m["restarts"] == 1, m
     assert "[CPU: 1]" in c.stdout, c.stdout  # the new node trained as rank 1
+

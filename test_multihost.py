@@ -378,6 +378,27 @@ def test_sbatch_script_refuses_bad_use(tmp_path):
     assert outside.returncode == 2 and outside.stderr.startswith("error: not inside a SLURM job"), outside
 
 
+
+def test_sbatch_warns_when_a_node_has_fewer_cpus_than_processes(tmp_path):
+    """A job that asked for 4 GPUs and no CPUs may hold one CPU (no DefCpuPerGPU on the cluster): the job
+    says so in one warning line and still gives the step every CPU it holds. `srun` and `scontrol` here
+    are stand-ins that print what they were given: no cluster, no training."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho node1\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=7, SLURM_JOB_NODELIST="node1",
+                  SLURM_JOB_NUM_NODES=1, SLURM_GPUS_ON_NODE=4, SLURM_CPUS_ON_NODE=1, TORCHRUN="torchrun")
+    r = sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path)
+    assert r.stderr.strip().splitlines() == [
+        "warning: 1 CPU(s) per node for 4 training processes: they share them; ask for more "
+        "(sbatch --cpus-per-gpu=K, or --cpus-per-task=K)"], r.stderr
+    assert "--cpus-per-task=1" in r.stdout and "--nproc-per-node=4" in r.stdout, r.stdout
+    env.update(SLURM_CPUS_ON_NODE="32")
+    assert sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path).stderr == ""
+
 SLURM_CONF = """\
 # A private one-node cluster for the tests: its own ports, state and munge socket.
 ClusterName=ddptest

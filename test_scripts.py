@@ -38,10 +38,10 @@ from ddp_transformer import Transformer
 
 
 # ================================================================ foundation: ddp_minimal.py, ddp_gpus*.py, run.sh
-RUN_SH_MODES = ["minimal", "spawn", "torchrun", "torchrun-single", "launch", "manual", "nodes", "restart",
+RUN_SH_MODES = ["minimal", "spawn", "torchrun", "launch", "manual", "nodes", "restart",
                 "main", "main-torchrun", "transformer"]
 # run only when named: bench in test_dp_bench.py, the others in slow tests below
-RUN_SH_EXTRA = ["bench", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
+RUN_SH_EXTRA = ["bench", "torchrun-single", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
                 "netns", "netns-elastic"]
 
 
@@ -178,7 +178,7 @@ def test_torchrun_script_as_plain_python(launch, script, tmp_path):
 @pytest.mark.slow  # the default suite: run.sh's manual mode is this launch, among its 12 launches in a row
 def test_clean_exit_two_launches_in_a_row(script, tmp_path):
     """The exit-time abort of the contract: consecutive 2-rank launches must all exit 0, silently
-    (the default suite: the 12 launch modes of run.sh, one after the other, each checked for
+    (the default suite: the 10 default launch modes of run.sh, one after the other, each checked for
     exit 0; test_faults.py's slow soak launches every script 10 times)."""
     for i in range(2):
         port = free_port()
@@ -383,7 +383,7 @@ def test_run_sh_feature_modes_pass(launch):
     """the MNIST hand-made launch (the default suite: run.sh's manual mode, the same launch of the linear
     model), resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each
     also has its own test (here, test_uneven.py, test_comm_hooks.py)."""
-    modes = ["main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
+    modes = ["torchrun-single", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
     r = launch(["bash", ROOT / "run.sh", *modes], timeout=600)
     assert f"{len(modes)} passed, 0 failed" in r.stdout, str(r)
 
