@@ -201,7 +201,10 @@ def test_the_scripts_no_longer_check_local_rank_before_it_is_filled_in():
     for name in ("ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
                  "ddp_comm_hooks.py"):
         lesson = (ROOT / name).read_text().split("# ---- harness:")[0]
-        assert "torch.cuda.device_count()" not in lesson and "LOCAL_RANK {" not in lesson, name
+        assert "LOCAL_RANK {" not in lesson, name
+        # counting devices is fine (ddp_main* count the GPUs --gpu chose); comparing the count with a local rank
+        # that may not be filled in yet is the defect
+        assert not [line for line in lesson.splitlines() if "device_count" in line and "local_rank" in line.lower()], name
 
 
 # ---------------------------------------------------------------- 4.1: a port in TIME_WAIT
