@@ -780,8 +780,32 @@ def atomic_write(path, write):
 
 
 def save_checkpoint(state, path):
-    """torch.save, atomically. Call on global rank 0 only, then dist.barrier() before anyone reads."""
-    atomic_write(path, lambda f: torch.save(state, f))
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job).
+    Call on global rank 0 only, then dist.barrier() before anyone reads."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    atomic_write(path, lambda f: torch.save({**state, "job": job}, f))
+
+
+def resumes_this_job(path):
+    """Whether this torchrun worker should continue from checkpoint `path` without --resume.
+
+    torchrun starts a job's workers anew after a failure (--max-restarts) and whenever a node
+    joins or leaves (--nnodes=MIN:MAX). TORCHELASTIC_RESTART_COUNT counts failures only, on the
+    nodes that saw them: a node that joins, and every node after a membership change, start
+    at 0. The job itself is named by torchrun's --rdzv-id (TORCHELASTIC_RUN_ID; a fresh id for
+    each --standalone launch), which save_checkpoint stamps into every checkpoint: this job's
+    checkpoint is continued on every node, an earlier job's is not. Without --rdzv-id (the id
+    is "none") only a restart count above 0 can tell.
+    """
+    if not os.path.isfile(path):
+        return False
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:  # mmap: only the small "job" entry is read from disk
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
+    except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
+        return False
 
 
 def write_json(path, record):

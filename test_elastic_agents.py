@@ -7,6 +7,8 @@ and the job grows back to world 2. Slow tier: each case is a minute of training 
 What is checked: both agents end with exit 0, the survivor printed each resume, the world
 size seen by the workers went 2 -> 1 -> 2, the run ended where it should (epochs/steps), the
 replicas agree, and the seconds from losing a node to training again (printed, for the notes).
+The Transformer case also checks that the joining node continues the job rather than starting
+over: its restart count is 0, and only the job id stamped in the checkpoint tells it.
 """
 import os
 import re
@@ -57,10 +59,10 @@ def seconds_until(job, pattern, count, timeout):
     return time.monotonic()
 
 
-def shrink_and_grow(jobs, tmp_path, script, args, checkpoint, resumed_line):
+def shrink_and_grow(jobs, tmp_path, script, args, checkpoint, resumed_line, progress_line):
     """Agents A and B train at world 2; B's node is killed once a checkpoint exists; A goes on alone;
-    agent C joins 10 s later. Returns (A, C, seconds from the kill to A's resume, from C's start to
-    the resume at world 2)."""
+    agent C joins once A has logged progress at world 1. Returns (A, C, seconds from the kill to A's
+    resume, from C's start to the resume at world 2)."""
     port = free_port()
     env = cpu_env(OMP_NUM_THREADS=1, **RESTART_ENV)
     a = jobs(agent_command(port, script, *args), tmp_path, env, name="a")
@@ -71,7 +73,8 @@ def shrink_and_grow(jobs, tmp_path, script, args, checkpoint, resumed_line):
     kill_node(b)
     killed = time.monotonic()
     lost = seconds_until(a, resumed_line, 1, 120) - killed
-    time.sleep(10)
+    logged = len(re.findall(progress_line, a.stdout, flags=re.MULTILINE))
+    seconds_until(a, progress_line, logged + 1, 120)  # trained at world 1 (a fixed wait: too late on a fast machine)
     c = jobs(agent_command(port, script, *args), tmp_path, env, name="c")
     started = time.monotonic()
     grown = seconds_until(a, resumed_line, 2, 120) - started
@@ -85,11 +88,11 @@ def shrink_and_grow(jobs, tmp_path, script, args, checkpoint, resumed_line):
 def test_linear_model_shrinks_and_grows_from_its_snapshot(jobs, tmp_path):
     """ddp_gpus_torchrun.py: epoch-granular snapshots; the survivor redoes the epoch the lost node was
     in. Per-process batch 32: 1024 steps an epoch at world 2, 2048 at world 1."""
-    epochs = 8
+    epochs = 16
     args = ["--max_epochs", epochs, "--samples", 65536, "--batch_size", 32, "--snapshot_path", "snap.pt",
             "--metrics", "m.json"]
     a, c, _, _ = shrink_and_grow(jobs, tmp_path, "ddp_gpus_torchrun.py", args, "snap.pt",
-                                 r"^resuming from snapshot at epoch \d+")
+                                 r"^resuming from snapshot at epoch \d+", r"^epoch \d+/\d+ \| loss")
     out = a.stdout
     resumed = [int(e) for e in re.findall(r"^resuming from snapshot at epoch (\d+)", out, flags=re.MULTILINE)]
     assert len(resumed) == 2 and 0 < resumed[0] <= resumed[1] < epochs, out
@@ -104,3 +107,28 @@ def test_linear_model_shrinks_and_grows_from_its_snapshot(jobs, tmp_path):
     assert m["restarts"] == 1, m
     assert "[CPU: 1]" in c.stdout, c.stdout  # the new node trained as rank 1
 
+
+def test_transformer_shrinks_and_grows_mid_epoch_and_keeps_its_global_batch(jobs, tmp_path):
+    """ddp_transformer.py --save_every_steps 20: the survivor continues from the last 20-step checkpoint at
+    world 1 (one process x batch 8 x 2 micro-batches: the global batch of 16 windows kept); the joining
+    node, whose restart count is 0, continues the same job too (the checkpoint names the job), and so
+    does the survivor, whose restart after a join is not counted as one."""
+    total = 500
+    args = ["--max_steps", total, "--save_every_steps", 20, "--log_every", 20, "--checkpoint", "ck.pt",
+            "--metrics", "m.json", "--sample", 0]
+    a, c, _, _ = shrink_and_grow(jobs, tmp_path, "ddp_transformer.py", args, "ck.pt", r"^resuming from ck\.pt",
+                               rf"^step \d+/{total} \| loss")
+    out = a.stdout
+    steps = [int(s) for s in re.findall(r"^resuming from ck\.pt at epoch \d+, step (\d+)", out, flags=re.MULTILINE)]
+    assert len(steps) == 2 and 0 < steps[0] <= steps[1] < total and not steps[0] % 20, out
+    worlds = [int(w) for w in re.findall(r"^model: .* \| (\d) x cpu", out, flags=re.MULTILINE)]
+    assert worlds == [2, 1, 2], worlds
+    assert "global batch kept: 16 windows a step" in out and "1 processes x --batch_size 8 x --grad_accum 2" in out
+    assert "error" not in out.lower() + c.stdout.lower(), out + c.stdout
+    logged = [int(s) for s in re.findall(rf"^step (\d+)/{total} \| loss", out, flags=re.MULTILINE)]
+    assert logged[-1] == total, logged
+    m = read_metrics(tmp_path / "m.json")
+    assert (m["world_size"], m["max_steps"], m["global_batch"], m["replicas_in_sync"]) == (2, total, 16, True), m
+    assert m["restarts"] == 1, m  # the lost node; the join is not a failure
+    # learning went on after the grow (first_val_loss: this last start's), and beyond character frequencies
+    assert m["val_loss"] < m["first_val_loss"] and m["val_loss"] < m["unigram_entropy"] - 0.5, m
