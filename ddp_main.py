@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (a large world)
 
@@ -229,23 +229,6 @@ class SyntheticDigits(Dataset):
         return self.images[index], int(self.targets[index])
 
 
-class ShardSampler(Sampler):
-    """Rank r of W takes the indices r, r + W, r + 2W, ...: every sample exactly once.
-
-    DistributedSampler pads the data set with duplicates to a multiple of W (10 samples
-    over 3 ranks gives 12), which is right for training and wrong for a test accuracy.
-    """
-
-    def __init__(self, size, rank, world_size):
-        self.indices = range(rank, size, world_size)
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self):
-        return len(self.indices)
-
-
 def mnist_available(root):
     """True when MNIST's four files are in root/MNIST/raw (where torchvision reads them), or download there."""
     # imported here, not at the top: torchvision adds about 1.7 s of CPU to the start of every
@@ -313,7 +296,10 @@ def make_loaders(train_set, test_set, device, args):
               "pin_memory": device.type != "cpu", "persistent_workers": args.workers > 0}
     train_loader = DataLoader(train_set, sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed),
                               generator=generator, **common)
-    test_loader = DataLoader(test_set, sampler=ShardSampler(len(test_set), rank, world_size), **common)
+    # rank r of W tests the samples r, r + W, r + 2W, ...: every one exactly once. A range is a sampler
+    # (any iterable with a length is). DistributedSampler would pad the set with duplicates to a
+    # multiple of W (10 samples over 3 ranks gives 12): right for training, wrong for an accuracy.
+    test_loader = DataLoader(test_set, sampler=range(rank, len(test_set), world_size), **common)
     return train_loader, test_loader
 
 
@@ -425,7 +411,7 @@ def write_checkpoint(model, optimizer, scaler, epoch, args):
     dist.barrier()
 
 
-def restore_checkpoint(model, optimizer, scaler, args):
+def restore_checkpoint(model, optimizer, scaler, train_loader, args):
     """Restore model, optimizer and grad scaler from --checkpoint; returns the epochs already trained."""
     # read once, onto the CPU: load_state_dict moves each tensor where its parameter lives
     checkpoint = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "epoch", "args"), model)
@@ -436,6 +422,7 @@ def restore_checkpoint(model, optimizer, scaler, args):
     # a rank that read another file (not on a shared file system) would train other epochs
     check_same_on_every_rank(checkpoint["epoch"], "checkpoint epochs",
                              f"put {args.checkpoint} on a file system every node sees")
+    note_world_change(checkpoint, len(train_loader), args.batch_size)  # one line, if the world size changed
     trained_on = checkpoint["args"].get("dataset")
     print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {trained_on})"
            + ("" if trained_on == args.dataset else f" -- NOTE: this run uses {args.dataset}"))
@@ -471,7 +458,7 @@ def train(device, args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    start_epoch = restore_checkpoint(model, optimizer, scaler, args) if args.resume or args.evaluate else 0
+    start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if args.resume or args.evaluate else 0
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 
@@ -905,10 +892,20 @@ def atomic_write(path, write):
 
 
 def save_checkpoint(state, path):
-    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job).
-    Call on global rank 0 only, then dist.barrier() before anyone reads."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    atomic_write(path, lambda f: torch.save({**state, "job": job}, f))
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
+    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size()}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
+    job moved to fewer GPUs): what changes with the world and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
 
 
 def resumes_this_job(path):

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 
 FEATURES, CLASSES, HIDDEN_LAYERS = 32, 10, 4
 
@@ -144,27 +144,12 @@ def shard_bounds(size, world_size, imbalance):
     return [round(size * cut / sum(weights)) for cut in itertools.accumulate(weights, initial=0)]
 
 
-class ShardSampler(Sampler):
-    """This rank's contiguous shard [start, stop), in a new order every epoch (set_epoch)."""
-
-    def __init__(self, start, stop, seed):
-        self.start, self.stop, self.seed, self.epoch = start, stop, seed, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __len__(self):
-        return self.stop - self.start
-
-    def __iter__(self):
-        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        return iter((order + self.start).tolist())
-
-
 def make_loader(dataset, device, args):
     bounds = shard_bounds(len(dataset), dist.get_world_size(), args.imbalance)
     rank = dist.get_rank()
-    sampler = ShardSampler(bounds[rank], bounds[rank + 1], args.seed)
+    # this rank's contiguous shard, shuffled: train() seeds the generator with --seed + epoch before each
+    # epoch, so an epoch's order depends on the epoch alone (a rerun or a resumed run sees the same)
+    sampler = SubsetRandomSampler(range(bounds[rank], bounds[rank + 1]), generator=torch.Generator())
     # drop_last=False: the short last batch is trained too (see the loss in train_epoch)
     return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type != "cpu")
 
@@ -177,13 +162,14 @@ def make_model(width):
     return nn.Sequential(*layers, nn.Linear(width, CLASSES))
 
 
-def build(device, args):
+def build(device, loader, args):
     """The DDP model, its optimizer and the epoch to start at (from --checkpoint with --resume)."""
     torch.manual_seed(args.seed)
     module = make_model(args.width).to(device)
     state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module) if args.resume else None
     if state:
         module.load_state_dict(state["model"])
+        note_world_change(state, len(loader), args.batch_size)  # shards, batches and steps follow the world size
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None)
     if args.zero:  # each rank keeps Adam's state for its shard of the parameters only
         # imported only here: torch.distributed.optim loads FSDP and DTensor too (seconds per process)
@@ -311,7 +297,7 @@ def train(model, optimizer, loader, start_epoch, device, args):
            + f" | {training_mode(args)}")
     history = []
     for epoch in range(start_epoch, args.epochs):
-        loader.sampler.set_epoch(epoch)  # a new order within each shard, the same on a rerun
+        loader.sampler.generator.manual_seed(args.seed + epoch)  # a new order within each shard, the same on a rerun
         start = time.perf_counter()
         try:
             every = gather(train_epoch(model, optimizer, loader, handover, device, args))
@@ -382,7 +368,7 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
 def run(device, args):
     dataset = make_dataset(args.samples, args.seed)
     loader = make_loader(dataset, device, args)
-    model, optimizer, resumed_from = build(device, args)
+    model, optimizer, resumed_from = build(device, loader, args)
     start = time.perf_counter()
     history, batches = train(model, optimizer, loader, resumed_from, device, args)
     elapsed = time.perf_counter() - start
@@ -780,10 +766,20 @@ def atomic_write(path, write):
 
 
 def save_checkpoint(state, path):
-    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job).
-    Call on global rank 0 only, then dist.barrier() before anyone reads."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    atomic_write(path, lambda f: torch.save({**state, "job": job}, f))
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
+    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size()}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
+    job moved to fewer GPUs): what changes with the world and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
 
 
 def resumes_this_job(path):

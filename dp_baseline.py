@@ -810,10 +810,20 @@ def atomic_write(path, write):
 
 
 def save_checkpoint(state, path):
-    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job).
-    Call on global rank 0 only, then dist.barrier() before anyone reads."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID")
-    atomic_write(path, lambda f: torch.save({**state, "job": job}, f))
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
+    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size()}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
+    job moved to fewer GPUs): what changes with the world and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
 
 
 def resumes_this_job(path):

@@ -99,6 +99,9 @@ def test_linear_model_shrinks_and_grows_from_its_snapshot(jobs, tmp_path):
     steps = [int(s) for s in re.findall(r"^\[CPU: 0\] Epoch: \d+ \| Batchsize: 32 \| Steps: (\d+)", out,
                                         flags=re.MULTILINE)]
     assert 2048 in steps and steps[0] == steps[-1] == 1024, steps  # world 2, then 1, then 2 again
+    for now, then, steps in ((1, 2, 2048), (2, 1, 1024)):  # what changes, said once at each resume
+        line = f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps} steps"
+        assert out.count(line) == 1, out
     completed = [int(e) for e in re.findall(r"^epoch (\d+)/\d+ \| loss", out, flags=re.MULTILINE)]
     assert set(completed) == set(range(1, epochs + 1)), completed  # no epoch skipped
     m = read_metrics(tmp_path / "m.json")

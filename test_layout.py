@@ -72,7 +72,7 @@ def test_minimal_is_minimal():
         assert needed in source
 
 
-@pytest.mark.parametrize("pair,most", [(("ddp_gpus.py", "ddp_gpus_torchrun.py"), 70),
+@pytest.mark.parametrize("pair,most", [(("ddp_gpus.py", "ddp_gpus_torchrun.py"), 72),
                                        (("ddp_main.py", "ddp_main_torchrun.py"), 40)])
 def test_sibling_diff_shows_only_the_launch(pair, most):
     diff = subprocess.run(["diff", *(ROOT / name for name in pair)], capture_output=True, text=True).stdout

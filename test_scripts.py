@@ -473,6 +473,9 @@ def test_mnist_train_checkpoint_resume(run_sh, launch, script, metrics, tmp_path
                     timeout=MNIST_TIMEOUT, env=offline_env())
     m2 = metrics(tmp_path / "m2.json")
     assert "loaded ddp_checkpoint.pt (epoch 3" in second.stdout
+    steps = math.ceil(m1["train_samples"] / 32)
+    assert (f"note: resuming at world size 1 a checkpoint written at 2: an epoch is now {steps} steps of 32 x 1 "
+            "samples") in second.stdout, second.stdout
     assert "epoch 3/4" not in second.stdout and "epoch 4/4" in second.stdout
     assert (m2["world_size"], m2["epochs"], m2["resumed_from_epoch"]) == (1, 4, 3)
     assert m2["steps"] == math.ceil(m1["train_samples"] / 32) == m2["steps_per_epoch"]

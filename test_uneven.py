@@ -20,6 +20,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import SubsetRandomSampler
 
 import ddp_uneven
 from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, torchrun_cmd
@@ -67,17 +68,19 @@ def zero(work):
 def reference_losses(epochs, world=2, batch=32, samples=DATASET, imbalance=0.5, lr=1e-3, seed=0):
     """The training the script claims, in one process: step i takes every rank's i-th batch of
     its shard (none from a rank that ran out), the loss sum / (world size x batch size), one
-    Adam step. Returns the mean loss per epoch."""
+    Adam step. Returns the mean loss per epoch. `world`: a size, or one per epoch (a resume at
+    another world size)."""
     torch.manual_seed(seed)
     model = ddp_uneven.make_model(256)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     x, y = ddp_uneven.make_dataset(samples, seed).tensors
-    bounds = ddp_uneven.shard_bounds(samples, world, imbalance)
+    worlds = [world] * epochs if isinstance(world, int) else world
     losses = []
-    for epoch in range(epochs):
-        shards = [ddp_uneven.ShardSampler(bounds[r], bounds[r + 1], seed) for r in range(world)]
-        for shard in shards:
-            shard.set_epoch(epoch)
+    for epoch, world in enumerate(worlds):
+        bounds = ddp_uneven.shard_bounds(samples, world, imbalance)
+        # each rank's shard in the epoch's order, as the script draws it (not its code: torch's sampler)
+        orders = [torch.Generator().manual_seed(seed + epoch) for _ in range(world)]
+        shards = [SubsetRandomSampler(range(bounds[r], bounds[r + 1]), generator=orders[r]) for r in range(world)]
         batches = [[order[i:i + batch] for i in range(0, len(order), batch)] for order in map(list, shards)]
         total = count = 0
         for step in range(max(map(len, batches))):
@@ -162,7 +165,7 @@ def test_hand_over_leaves_the_model_collectable(monkeypatch):
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         args = ddp_uneven.resolve_device(ddp_uneven.parse_args(["--device", "cpu", "--width", "8"]))
-        model, optimizer, _ = ddp_uneven.build(torch.device("cpu"), args)
+        model, optimizer, _ = ddp_uneven.build(torch.device("cpu"), None, args)  # no --resume: no loader needed
         ddp_uneven.HandOver(model, optimizer)
         model = weakref.ref(model)
         del optimizer
@@ -193,6 +196,29 @@ def test_zero_checkpoint_loads_weights_only_and_resumes_exactly(plain, zero, wor
     assert m["resumed_from_epoch"] == 1 and m["epochs"] == 2 and m["samples_trained"] == [DATASET]
     # bit for bit the uninterrupted run without ZeRO: the same training, and an exact resume
     assert m["losses"] == plain[1]["losses"][1:] and fingerprint(resumed) == fingerprint(plain[0]), (m, resumed)
+
+
+@shared
+def test_zero_checkpoint_resumes_at_another_world_size(zero, work):
+    """The consolidated state of 2 ranks, resumed by plain python (a world of one): ZeRO takes all of
+    it, the data is cut into one shard, and the epoch trains as the one-process rule at world 1 says."""
+    shutil.copy(work / "zero1.pt", work / "zero_w1.pt")
+    result = run_bounded([sys.executable, SCRIPT, "--device", "cpu", "--zero", "-e", "2", "--resume", "--checkpoint",
+                          work / "zero_w1.pt", "--metrics", work / "zero_w1.json"], work, timeout=120)
+    m = read_metrics(work / "zero_w1.json")
+    assert (m["world_size"], m["resumed_from_epoch"], m["epochs"]) == (1, 1, 2), m
+    assert m["samples_trained"] == [DATASET] and m["samples_per_rank"] == [DATASET], m
+    assert ("note: resuming at world size 1 a checkpoint written at 2: an epoch is now 64 steps of 32 x 1 samples"
+            in result.stdout), result.stdout
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = reference_losses(epochs=2, world=[2, 1])
+    finally:
+        torch.set_num_threads(threads)
+    assert m["losses"] == pytest.approx(expected[1:], rel=1e-5), (m["losses"], expected)
+    assert m["losses"][0] < zero[0][1]["losses"][0], m  # it went on from epoch 1, not from scratch
+    assert torch.load(work / "zero_w1.pt", weights_only=True)["world_size"] == 1
 
 
 # ---------------------------------------------------------------- bad input
