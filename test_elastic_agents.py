@@ -132,6 +132,13 @@ def test_transformer_shrinks_and_grows_mid_epoch_and_keeps_its_global_batch(jobs
     assert logged[-1] == total, logged
     m = read_metrics(tmp_path / "m.json")
     assert (m["world_size"], m["max_steps"], m["global_batch"], m["replicas_in_sync"]) == (2, total, 16, True), m
+    # windows counted: the last start trained the rest of its epoch from where the checkpoint stood, then
+    # whole epochs, every window once (m["windows"]: this start's, per epoch)
+    window, size = map(int, re.findall(r"^resuming from ck\.pt at .*, window (\d+) of (\d+) in the epoch's order",
+                                       out, flags=re.MULTILINE)[-1])
+    windows = m["windows"]
+    assert 0 <= window < size and (len(windows) == 1 or windows[0] + window == size), (window, size, windows)
+    assert all(w == size for w in windows[1:-1]) and sum(windows) <= (total - steps[1]) * 16, (windows, steps)
     assert m["restarts"] == 1, m  # the lost node; the join is not a failure
     # learning went on after the grow (first_val_loss: this last start's), and beyond character frequencies
     assert m["val_loss"] < m["first_val_loss"] and m["val_loss"] < m["unigram_entropy"] - 0.5, m
