@@ -282,6 +282,35 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     assert state["step"] == 1 and torch.equal(state["x"], torch.zeros(3))
 
 
+def test_a_checkpoint_is_continued_by_the_torchrun_job_that_wrote_it(tmp_path, monkeypatch):
+    """resumes_this_job (the harness): torchrun's job id, stamped by save_checkpoint, says whether a
+    worker continues a checkpoint; a restart count does not (0 on a joining node), except without an id."""
+    sys.path.insert(0, str(ROOT))
+    from ddp_transformer import resumes_this_job, save_checkpoint
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "ck.pt"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    assert not resumes_this_job(path)  # nothing to continue yet
+    save_checkpoint({"step": 3}, path)
+    assert torch.load(path, weights_only=True) == {"step": 3, "job": "job-1", "world_size": 1}
+    assert resumes_this_job(path)  # restart count 0: a node that joins, or any after a membership change
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    assert not resumes_this_job(path)  # another job's checkpoint, even after a restart of this one
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id: only the count can tell
+    assert resumes_this_job(path)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert not resumes_this_job(path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    path.write_bytes(b"garbage")
+    assert not resumes_this_job(path)  # unreadable: not this job's (a fresh run replaces it)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    save_checkpoint({"step": 3}, path)  # plain python or mp.spawn: no job
+    assert not resumes_this_job(path)
+
+
 # ---------------------------------------------------------------- 4, 5, 6. bad checkpoints and bad input
 class Evil:
     def __init__(self, marker):
