@@ -797,6 +797,14 @@ class Trainer:
                              "world_size": dist.get_world_size()}, self.args.checkpoint)
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
+        self._not_training(self.save_s[-1])
+
+    def _not_training(self, spent):
+        """Leave `spent` seconds (evaluation, a checkpoint) out of the throughput and the next line's MFU."""
+        if self.clock is not None:
+            self.seconds -= spent
+            if self.mark is not None:
+                self.mark = (self.mark[0] + spent, self.mark[1])
 
     def validate(self):
         """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
@@ -844,10 +852,7 @@ class Trainer:
         if args.eval_every and step % args.eval_every == 0 and step < self.total:
             start = time.perf_counter()
             print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
-            spent = time.perf_counter() - start
-            self.seconds -= spent  # evaluation is not training time, nor part of the next line's MFU
-            if self.mark is not None:
-                self.mark = (self.mark[0] + spent, self.mark[1])
+            self._not_training(time.perf_counter() - start)
 
     def _run_epoch(self, epoch):
         """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
