@@ -805,7 +805,8 @@ def atomic_write(path, write):
 def save_checkpoint(state, path):
     """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
     its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
-    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
+             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
 
 

@@ -422,7 +422,8 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args):
     # a rank that read another file (not on a shared file system) would train other epochs
     check_same_on_every_rank(checkpoint["epoch"], "checkpoint epochs",
                              f"put {args.checkpoint} on a file system every node sees")
-    note_world_change(checkpoint, len(train_loader), args.batch_size)  # one line, if the world size changed
+    if not args.evaluate:  # one line, if the world size changed
+        note_world_change(checkpoint, len(train_loader), args.batch_size)
     trained_on = checkpoint["args"].get("dataset")
     print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {trained_on})"
            + ("" if trained_on == args.dataset else f" -- NOTE: this run uses {args.dataset}"))
@@ -458,7 +459,8 @@ def train(device, args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if args.resume or args.evaluate else 0
+    from_checkpoint = args.resume or args.evaluate
+    start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if from_checkpoint else 0
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 
@@ -894,7 +896,8 @@ def atomic_write(path, write):
 def save_checkpoint(state, path):
     """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
     its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
-    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
+             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
 
 

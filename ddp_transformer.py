@@ -793,8 +793,8 @@ class Trainer:
                              "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                             "world_size": dist.get_world_size()}, self.args.checkpoint)
+                             "global_batch": self.global_batch, "batch_size": self.args.batch_size},
+                            self.args.checkpoint)  # save_checkpoint adds the world size and the job
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
         self._not_training(self.save_s[-1])
@@ -1376,7 +1376,8 @@ def atomic_write(path, write):
 def save_checkpoint(state, path):
     """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
     its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
-    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
+             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
 
 

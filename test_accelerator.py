@@ -204,7 +204,8 @@ def test_the_scripts_no_longer_check_local_rank_before_it_is_filled_in():
         assert "LOCAL_RANK {" not in lesson, name
         # counting devices is fine (ddp_main* count the GPUs --gpu chose); comparing the count with a local rank
         # that may not be filled in yet is the defect
-        assert not [line for line in lesson.splitlines() if "device_count" in line and "local_rank" in line.lower()], name
+        compared = [line for line in lesson.splitlines() if "device_count" in line and "local_rank" in line.lower()]
+        assert not compared, name
 
 
 # ---------------------------------------------------------------- 4.1: a port in TIME_WAIT

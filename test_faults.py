@@ -285,7 +285,6 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
 def test_a_checkpoint_is_continued_by_the_torchrun_job_that_wrote_it(tmp_path, monkeypatch):
     """resumes_this_job (the harness): torchrun's job id, stamped by save_checkpoint, says whether a
     worker continues a checkpoint; a restart count does not (0 on a joining node), except without an id."""
-    sys.path.insert(0, str(ROOT))
     from ddp_transformer import resumes_this_job, save_checkpoint
     for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
