@@ -130,6 +130,7 @@ class Trainer:
 
     def _run_batch(self, xs, ys):
         self.optimizer.zero_grad(set_to_none=True)
+        # PORT (loss): your loss of (output, target), a mean over the batch (DDP averages it over the ranks)
         loss = F.mse_loss(self.model(xs), ys)
         loss.backward()  # DDP all-reduces (averages) the gradients here
         self.optimizer.step()
@@ -152,6 +153,9 @@ class Trainer:
         return (totals[0] / totals[1]).item(), int(totals[1].item())
 
     def train(self, max_epochs):
+        if self.epochs_run < max_epochs:
+            print0("per-process lines in the seed's format: [device: rank] Epoch: from 0 | Batchsize: per process | "
+                   "Steps: per epoch; rank 0's `epoch N/M` lines count from 1 and give the loss over all processes")
         history = []
         for epoch in range(self.epochs_run, max_epochs):
             start = time.perf_counter()
@@ -166,10 +170,12 @@ class Trainer:
 # ---------------------------------------------------------------- main
 def train(device, args):
     torch.manual_seed(args.seed)
+    # PORT (data): your Dataset of (input, target) pairs; every rank builds the same one (the sampler shards it)
     dataset = MyTrainDataset(args.samples, seed=args.seed)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # each rank its own 1/N
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                         pin_memory=device.type != "cpu")
+    # PORT (model): your nn.Module, built on the CPU; the Trainer moves it to the device and wraps it in DDP
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     trainer = Trainer(model, loader, optimizer, device)
@@ -185,22 +191,24 @@ def train(device, args):
 
 def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, device, args):
     """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
-    losses = [h["loss"] for h in history] or [float("nan")]
+    losses = [h["loss"] for h in history]
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
         "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
         "epochs": args.epochs, "steps": steps, "steps_per_epoch": steps_per_epoch,
         "batch_size": args.batch_size, "elapsed_s": elapsed,
-        "samples_per_s": sum(h["samples"] for h in history) / elapsed,
-        "first_loss": losses[0], "final_loss": losses[-1], "losses": [h["loss"] for h in history],
+        "samples_per_s": sum(h["samples"] for h in history) / elapsed if history else None,
+        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None, "losses": losses,
         "replicas_in_sync": in_sync, "resumed_from_epoch": resumed_from,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) "
-           f"| torch {torch.__version__} | {args.epochs} epochs | loss {summary['first_loss']:.4f} -> "
-           f"{summary['final_loss']:.4f} | {summary['samples_per_s']:.0f} samples/s | "
+    world = summary["world_size"]
+    result = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s" if history
+              else f"nothing trained (resumed at epoch {resumed_from})")
+    print0(f"done: {summary['script']} | {world} process{'es' if world != 1 else ''} on {device.type} "
+           f"({summary['backend']}) | torch {torch.__version__} | {args.epochs} epochs | {result} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
@@ -276,10 +284,42 @@ def fail(what, fix, every_rank=False, every_node=False):
     rank = global_rank()
     first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
     if rank == 0 or every_rank or (every_node and first_on_node):
-        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
         time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
     sys.exit(2)
+
+
+def report_error(line):
+    """Say `line` on stderr and, under torchrun, hand it to torchrun as this worker's error (the file
+    named by TORCHELASTIC_ERROR_FILE, in the format torch.distributed.elastic's @record writes): its
+    report then shows our line as the root cause instead of `To enable traceback see: ...`.
+
+    torchrun names as root cause the failure with the earliest timestamp, in whole seconds, and on a
+    tie the lowest local rank. A peer ended by our exit is stamped when torchrun notices, often in the
+    same second, so ours is stamped one second earlier: the rank that found the problem comes first.
+    """
+    say(line, sys.stderr)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        stamp = str(int(time.time()) - 1)
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def refuse_launcher_flags(argv=None):
+    """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
+    one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
+    script = os.path.basename(sys.argv[0])
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {flag} ... {script} ...")
 
 
 def check_positive(args, *names):
@@ -481,10 +521,40 @@ def describe_checkpoint(path):
         state = None
     if not isinstance(state, dict):
         return "no checkpoint kept"
+    where = where_checkpoint_is(state)
+    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote the checkpoint `state` got ('' if it does not say)."""
     for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
         if isinstance(state.get(key), int):
-            return f"checkpoint at {unit} {state[key]} kept in {path}"
-    return f"checkpoint kept in {path}"
+            return f"{unit} {state[key]}"
+    return ""
+
+
+def continue_checkpoint(path, resume):
+    """Whether this run continues from checkpoint `path`. Asked (--resume): yes, and a missing file is
+    one error line. Unasked: only this job's own checkpoint (resumes_this_job: torchrun restarted the
+    job, or a node joined or left). Any other file there is neither continued nor overwritten without a
+    word: one error line says what it holds, which run wrote it, and the ways on."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    if resume or resumes_this_job(path):
+        return True
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        job = state.get("job")
+        found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+                 + (f"torchrun job {job}" if job else "a run outside torchrun")
+                 + f" at world size {state.get('world_size', '?')}")
+    except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
+        found = "a file that is not a checkpoint this script can read"
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
 
 
 @contextlib.contextmanager
@@ -519,8 +589,8 @@ def explained_failures(timeout, checkpoint=None):
             who = "every rank answered afterwards"
         except RuntimeError as e:
             who = str(e).strip().splitlines()[0]
-        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
-            f"[rank {global_rank()}]", sys.stderr)
+        report_error(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+                     f"[rank {global_rank()}]")
         raise SystemExit(1) from None
 
 
@@ -569,7 +639,7 @@ def replicas_in_sync(model, device):
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(verdicts)} ranks, fingerprint {fingerprint.item():.10e})")
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
     return not differ
 
 

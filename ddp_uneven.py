@@ -455,10 +455,42 @@ def fail(what, fix, every_rank=False, every_node=False):
     rank = global_rank()
     first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
     if rank == 0 or every_rank or (every_node and first_on_node):
-        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
         time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
     sys.exit(2)
+
+
+def report_error(line):
+    """Say `line` on stderr and, under torchrun, hand it to torchrun as this worker's error (the file
+    named by TORCHELASTIC_ERROR_FILE, in the format torch.distributed.elastic's @record writes): its
+    report then shows our line as the root cause instead of `To enable traceback see: ...`.
+
+    torchrun names as root cause the failure with the earliest timestamp, in whole seconds, and on a
+    tie the lowest local rank. A peer ended by our exit is stamped when torchrun notices, often in the
+    same second, so ours is stamped one second earlier: the rank that found the problem comes first.
+    """
+    say(line, sys.stderr)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        stamp = str(int(time.time()) - 1)
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def refuse_launcher_flags(argv=None):
+    """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
+    one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
+    script = os.path.basename(sys.argv[0])
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {flag} ... {script} ...")
 
 
 def check_positive(args, *names):
@@ -660,10 +692,40 @@ def describe_checkpoint(path):
         state = None
     if not isinstance(state, dict):
         return "no checkpoint kept"
+    where = where_checkpoint_is(state)
+    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote the checkpoint `state` got ('' if it does not say)."""
     for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
         if isinstance(state.get(key), int):
-            return f"checkpoint at {unit} {state[key]} kept in {path}"
-    return f"checkpoint kept in {path}"
+            return f"{unit} {state[key]}"
+    return ""
+
+
+def continue_checkpoint(path, resume):
+    """Whether this run continues from checkpoint `path`. Asked (--resume): yes, and a missing file is
+    one error line. Unasked: only this job's own checkpoint (resumes_this_job: torchrun restarted the
+    job, or a node joined or left). Any other file there is neither continued nor overwritten without a
+    word: one error line says what it holds, which run wrote it, and the ways on."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    if resume or resumes_this_job(path):
+        return True
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        job = state.get("job")
+        found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+                 + (f"torchrun job {job}" if job else "a run outside torchrun")
+                 + f" at world size {state.get('world_size', '?')}")
+    except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
+        found = "a file that is not a checkpoint this script can read"
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
 
 
 @contextlib.contextmanager
@@ -698,8 +760,8 @@ def explained_failures(timeout, checkpoint=None):
             who = "every rank answered afterwards"
         except RuntimeError as e:
             who = str(e).strip().splitlines()[0]
-        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
-            f"[rank {global_rank()}]", sys.stderr)
+        report_error(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+                     f"[rank {global_rank()}]")
         raise SystemExit(1) from None
 
 
@@ -748,7 +810,7 @@ def replicas_in_sync(model, device):
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(verdicts)} ranks, fingerprint {fingerprint.item():.10e})")
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
     return not differ
 
 
