@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=5, metavar="N",
                    help="epochs to train")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
@@ -207,9 +207,7 @@ def train(device, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     trainer = Trainer(model, loader, optimizer, device, args.save_every, args.snapshot_path, args.resume)
     resumed_from = trainer.epochs_run
-    if resumed_from >= args.epochs:
-        print0(f"nothing to train: the snapshot is at epoch {resumed_from} and --epochs is {args.epochs} "
-               "(pass a larger --epochs to train on)")
+    nothing_left(args.snapshot_path, "epoch", resumed_from, "--epochs", args.epochs)
 
     start = time.perf_counter()
     history = trainer.train(args.epochs)
@@ -264,6 +262,7 @@ def main():
 # and backend choice, timeouts and Ctrl-C, DDP released before the process group,
 # the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
 # =============================================================================
+import argparse
 import contextlib
 import gc
 import inspect
@@ -282,6 +281,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
 
 
 def say(line, file=None):
@@ -702,8 +710,23 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
                f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "ch", "x")) else "s")
 
 
 def resumes_this_job(path):

@@ -62,18 +62,19 @@ DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     add_training_args(p)
     add_data_args(p)
     add_job_args(p)
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
 
 def add_training_args(p):
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=None, metavar="N",
-                   help=f"epochs to train, with --resume the epoch to end at; None: {DEFAULT_EPOCHS}, or "
+                   help=f"epochs to train, with --resume the epoch to end at (default: {DEFAULT_EPOCHS}, or "
                         f"more where that gives fewer than {MIN_STEPS} steps per process (a large world)")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
                    help="samples per step, per process (the global batch is N x world size)")
@@ -123,6 +124,8 @@ def check_args(args):
         fail(f"no checkpoint at {args.checkpoint} to {'evaluate' if args.evaluate else 'resume'}",
              "train first, or point --checkpoint at one", every_node=True)  # this machine's files
     check_folders(args.checkpoint, args.metrics)
+    if not args.evaluate:  # another run's checkpoint is continued only with --resume; overwritten never unasked
+        args.resume = continue_checkpoint(args.checkpoint, args.resume)
     select_gpus(args)
     resolve_device(args)
     check_launch(args)
@@ -140,8 +143,7 @@ def check_args(args):
 def check_launch(args):
     """torchrun starts the processes; LOCAL_RANK picks this one's GPU (prepare_rendezvous checks
     it, once a hand-made launch's is filled in). Restarted by torchrun (a failure, a node joined
-    or left): continue this job from its checkpoint."""
-    args.resume |= resumes_this_job(args.checkpoint)
+    or left), the job continues its own checkpoint unasked (continue_checkpoint, in check_args)."""
 
 
 def visible_gpus(ids, preset):
@@ -462,6 +464,8 @@ def train(device, args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
     from_checkpoint = args.resume or args.evaluate
     start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if from_checkpoint else 0
+    if not args.evaluate:
+        nothing_left(args.checkpoint, "epoch", start_epoch, "--epochs", args.epochs)
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 
@@ -532,6 +536,7 @@ def main():
 # and backend choice, timeouts and Ctrl-C, DDP released before the process group,
 # the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
 # =============================================================================
+import argparse
 import contextlib
 import gc
 import inspect
@@ -550,6 +555,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
 
 
 def say(line, file=None):
@@ -970,8 +984,23 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
                f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "ch", "x")) else "s")
 
 
 def resumes_this_job(path):

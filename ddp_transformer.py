@@ -91,12 +91,13 @@ MAX_STEPS = 60
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     add_length_args(p)
     add_optimizer_args(p)
     add_data_args(p)
     add_model_args(p)
     add_run_args(p)
+    refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
 
@@ -104,7 +105,7 @@ def add_length_args(p):
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
                         "on text unless --epochs is given, whatever the text's length and the world "
-                        f"size: at 2 processes {MAX_STEPS} x 8 x 2 windows, about 1.1 epochs of the "
+                        f"size: at 2 processes {MAX_STEPS} steps x 8 windows x 2 processes, about 1.1 epochs of the "
                         "default corpus)")
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=None, metavar="N",
                    help="train whole epochs instead (with --max_steps: whichever ends first; "
@@ -209,8 +210,6 @@ def fill_defaults(args):
         args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
     if args.epochs is None and args.max_steps is None:
         args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
-    if resumes_this_job(args.checkpoint):
-        args.resume = True  # torchrun restarted this job (a failure, a node joined or left): continue it
     return args
 
 
@@ -230,9 +229,8 @@ def check_args(args):
              "e.g. --warmup 0.1 --dropout 0.1 --clip 1")
     check_folders(args.checkpoint, args.metrics)
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
-    if args.resume and not os.path.exists(args.checkpoint):
-        fail(f"--resume but there is no checkpoint at {args.checkpoint}",
-             "pass --checkpoint PATH of an earlier run, or drop --resume", every_node=True)  # this machine's files
+    # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
+    args.resume = continue_checkpoint(args.checkpoint, args.resume)
     return args
 
 
@@ -659,6 +657,9 @@ def read_checkpoint(args, vocab):
     """The --resume checkpoint, for this model and this text; anything else is one clear error."""
     state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "config", "vocab", "epoch", "step",
                                               "windows_in_epoch", "global_batch", "batch_size", "world_size"))
+    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
+        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
+             f"this text has {len(vocab)})", "pass the same --data/--dataset as the run that wrote it")
     config = model_config(args, vocab)
     theirs = state["config"] if isinstance(state["config"], dict) else {}
     differ = sorted(k for k in config if theirs.get(k) != config[k])
@@ -666,9 +667,6 @@ def read_checkpoint(args, vocab):
         fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={theirs.get(k)}" for k in differ)
              + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
              "pass the same model sizes as the run that wrote it")
-    if state["vocab"] != vocab:
-        fail(f"checkpoint {args.checkpoint} was trained on text with another vocabulary",
-             "pass the same --data/--dataset as the run that wrote it")
     return state
 
 
@@ -919,6 +917,9 @@ def train(device, args, corpus, checkpoint):
                              "node sees, or copy the newest one to every node")
     entropy = unigram_entropy(text) if vocab else None
     describe(trainer, name, entropy)
+    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
+    nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
+                                    else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
     first_val = trainer.validate()
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()
@@ -942,7 +943,8 @@ def describe(trainer, name, entropy):
            f"{trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
            f"{' | compiled' if args.compile else ''} | {trainer.total} steps = "
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
-           f"of {args.grad_accum} x {args.batch_size} x {world} windows")
+           f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
+           f"{plural(world, 'process')}")
     print0(f"MFU against {world} x {trainer.peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if trainer.peak
            else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
@@ -973,15 +975,17 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     }
-    print0(f"validation loss {first_val:.4f} -> {val:.4f}\nthroughput: {tokens_per_s:.0f} tokens/s on "
-           f"{summary['world_size']} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + "
-           f"attention){trainer.mfu_text(trainer.tokens, trainer.seconds)} | "
-           f"first step {trainer.first_step_s:.1f} s" + (" (compiling)" if args.compile else ""))
+    print0(f"validation loss {first_val:.4f} -> {val:.4f}")
+    if trainer.steps:  # a resumed run with nothing left to train has no speed to report
+        print0(f"throughput: {tokens_per_s:.0f} tokens/s on {plural(summary['world_size'], 'process')} | "
+               f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention)"
+               f"{trainer.mfu_text(trainer.tokens, trainer.seconds)} | first step {trainer.first_step_s:.1f} s"
+               + (" (compiling)" if args.compile else ""))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
            f"torch {torch.__version__} | {epochs} epochs, {trainer.steps} steps | val loss {first_val:.4f} -> "
-           f"{val:.4f} | {tokens_per_s:.0f} tokens/s | replicas {'in sync' if in_sync else 'DIFFER'}")
+           f"{val:.4f} | {f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
 def main():
@@ -1011,6 +1015,7 @@ def main():
 # and backend choice, timeouts and Ctrl-C, DDP released before the process group,
 # the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
 # =============================================================================
+import argparse
 import contextlib
 import gc
 import inspect
@@ -1029,6 +1034,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
 
 
 def say(line, file=None):
@@ -1449,8 +1463,23 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
                f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "ch", "x")) else "s")
 
 
 def resumes_this_job(path):

@@ -61,7 +61,7 @@ FEATURES, CLASSES, HIDDEN_LAYERS = 32, 10, 4
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=3, metavar="N", help="epochs to train")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
                    help="samples per step, per process")
@@ -89,6 +89,7 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
 
@@ -103,6 +104,7 @@ def check_args(args):
     if args.resume and not (args.checkpoint and os.path.exists(args.checkpoint)):
         fail(f"--resume but no checkpoint at {args.checkpoint}", "pass the --checkpoint PATH an earlier run wrote",
              every_node=True)  # this machine's files
+    args.resume = continue_checkpoint(args.checkpoint, args.resume)  # unasked: only this job's own (a restart)
     return args
 
 
@@ -342,15 +344,15 @@ def optimizer_state_bytes(optimizer, device, args):
 
 def report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args):
     """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
-    losses = [h["loss"] for h in history] or [float("nan")]
+    losses = [h["loss"] for h in history]
     trained = [sum(h["samples"]) for h in history]
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
         "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
         "epochs": args.epochs, "steps": len(history) * batches[dist.get_rank()],
         "steps_per_epoch": max(batches), "batch_size": args.batch_size, "elapsed_s": elapsed,
-        "samples_per_s": sum(trained) / elapsed if elapsed else 0.0, "first_loss": losses[0],
-        "final_loss": losses[-1], "losses": losses, "replicas_in_sync": checks["in_sync"],
+        "samples_per_s": sum(trained) / elapsed if history else None, "first_loss": losses[0] if history else None,
+        "final_loss": losses[-1] if history else None, "losses": losses, "replicas_in_sync": checks["in_sync"],
         "resumed_from_epoch": resumed_from, "join": args.join, "zero": args.zero, "imbalance": args.imbalance,
         "batches_per_rank": batches, "samples_per_rank": history[-1]["samples"] if history else [],
         "samples_trained": trained, "dataset_size": args.samples, "every_sample_once": checks["once"],
@@ -360,7 +362,8 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) | "
            f"torch {torch.__version__} | {training_mode(args)} | {args.epochs} epochs | "
-           f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | every sample once: {'yes' if checks['once'] else 'NO'} | "
+           + (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if history else f"nothing trained (resumed at epoch {resumed_from})")
+           + f" | every sample once: {'yes' if checks['once'] else 'NO'} | "
            f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
 
 
@@ -369,6 +372,7 @@ def run(device, args):
     dataset = make_dataset(args.samples, args.seed)
     loader = make_loader(dataset, device, args)
     model, optimizer, resumed_from = build(device, loader, args)
+    nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
     start = time.perf_counter()
     history, batches = train(model, optimizer, loader, resumed_from, device, args)
     elapsed = time.perf_counter() - start
@@ -403,6 +407,7 @@ def main():
 # and backend choice, timeouts and Ctrl-C, DDP released before the process group,
 # the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
 # =============================================================================
+import argparse
 import contextlib
 import gc
 import inspect
@@ -421,6 +426,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
 
 
 def say(line, file=None):
@@ -841,8 +855,23 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
                f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "ch", "x")) else "s")
 
 
 def resumes_this_job(path):
