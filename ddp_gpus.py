@@ -243,6 +243,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -321,7 +322,7 @@ def report_error(line):
 def refuse_launcher_flags(argv=None):
     """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
     one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
-    script = os.path.basename(sys.argv[0])
+    script = os.path.basename(__file__)
     for arg in map(str, sys.argv[1:] if argv is None else argv):
         flag = arg.split("=")[0]
         if flag == "--nprocs":
@@ -742,7 +743,7 @@ def load_checkpoint(path, keys, model=None):
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):

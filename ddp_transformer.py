@@ -709,12 +709,12 @@ def keep_global_batch(args, state, world):
         if flags:
             fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
                 else f"drop {flags} and {fix}"
-        fail(f"{path} was trained with a global batch of {wanted} windows a step ({then} processes), "
-             f"which cannot be kept at {world} processes" + (f" with {flags}" if flags else ""),
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
+             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
              f"{fix}; or start afresh with another --checkpoint")
     if split != (args.batch_size, args.grad_accum):
-        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({then} processes), so each "
-               f"step trains the batch an uninterrupted run would: here {world} processes x --batch_size "
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
+               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
                f"{split[0]} x --grad_accum {split[1]}")
     args.batch_size, args.grad_accum = split
 
@@ -1026,6 +1026,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -1104,7 +1105,7 @@ def report_error(line):
 def refuse_launcher_flags(argv=None):
     """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
     one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
-    script = os.path.basename(sys.argv[0])
+    script = os.path.basename(__file__)
     for arg in map(str, sys.argv[1:] if argv is None else argv):
         flag = arg.split("=")[0]
         if flag == "--nprocs":
@@ -1525,7 +1526,7 @@ def load_checkpoint(path, keys, model=None):
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):

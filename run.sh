@@ -160,7 +160,7 @@ run_restart() {
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
         --max_epochs 4 --samples "$samples" --batch_size 16 --metrics m.json &
     agent=$!
-    for ((i = 0; i < 600; i++)); do [ -e snapshot.pt ] && break; sleep 0.1; done
+    for ((i = 0; i < 600; i++)); do [ -e ddp_gpus_torchrun.pt ] && break; sleep 0.1; done
     worker="$(pgrep -P "$agent" | tail -1)"
     if [ -z "$worker" ]; then echo "FAIL: no worker to kill"; wait "$agent"; return 1; fi
     echo ">>> snapshot written; killing worker $worker with SIGKILL"

@@ -128,7 +128,7 @@ def test_transformer_shrinks_and_grows_mid_epoch_and_keeps_its_global_batch(jobs
     assert len(steps) == 2 and 0 < steps[0] <= steps[1] < total and not steps[0] % 20, out
     worlds = [int(w) for w in re.findall(r"^model: .* \| (\d) x cpu", out, flags=re.MULTILINE)]
     assert worlds == [2, 1, 2], worlds
-    assert "global batch kept: 16 windows a step" in out and "1 processes x --batch_size 8 x --grad_accum 2" in out
+    assert "global batch kept: 16 windows a step" in out and "1 process x --batch_size 8 x --grad_accum 2" in out
     assert "error" not in out.lower() + c.stdout.lower(), out + c.stdout
     logged = [int(s) for s in re.findall(rf"^step (\d+)/{total} \| loss", out, flags=re.MULTILINE)]
     assert logged[-1] == total, logged

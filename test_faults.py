@@ -331,7 +331,7 @@ def test_pickled_checkpoint_is_refused_and_nothing_runs(launch, tmp_path):
     marker = tmp_path / "PWNED"
     torch.save({"model": Evil(marker), "optimizer": {}, "epochs_run": 1}, tmp_path / "evil.pt")
     r = launch([sys.executable, ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--snapshot_path",
-                tmp_path / "evil.pt"], timeout=60, check=False)
+                tmp_path / "evil.pt", "--resume"], timeout=60, check=False)
     _one_error_line(r, "pickled", "evil.pt")
     assert not marker.exists(), "loading the checkpoint ran its code"
 
@@ -469,7 +469,7 @@ def test_ctrl_c_ends_every_process_cleanly(mode, jobs, tmp_path):
     assert len(lines) == 1 and "(Ctrl-C)" in lines[0], out
     assert "ddp_gpus" not in "".join(re.findall(r"Traceback.*?(?=\n\S)", err, flags=re.DOTALL)), err
     if mode != "spawn":  # the torchrun script keeps a snapshot: whole, and named in the line
-        assert f"checkpoint at epoch" in lines[0] and "snapshot.pt" in lines[0], lines
-        assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["epochs_run"] >= 1
+        assert f"checkpoint at epoch" in lines[0] and "ddp_gpus_torchrun.pt" in lines[0], lines
+        assert torch.load(tmp_path / "ddp_gpus_torchrun.pt", weights_only=True)["epochs_run"] >= 1
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name], "a temporary checkpoint was left behind"
     wait_until(lambda: not any(alive(p) for p in processes), 5, "every process of the job to be gone")

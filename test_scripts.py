@@ -104,7 +104,7 @@ def test_restart_mode_ends_with_the_weights_of_the_uninterrupted_run(run_sh):
     out, m = mode_output(run_sh, "restart"), mode_metrics(run_sh, "restart")
     assert ">>> snapshot written; killing worker" in out
     assert m["restarts"] >= 1 and m["resumed_from_epoch"] >= 1 and m["epochs"] == 4, m
-    resumed = torch.load(run_sh.work / "restart" / "snapshot.pt", map_location="cpu", weights_only=True)
+    resumed = torch.load(run_sh.work / "restart" / "ddp_gpus_torchrun.pt", map_location="cpu", weights_only=True)
     assert resumed["epochs_run"] == 4, resumed["epochs_run"]
     reference = one_process_reference(["--max_epochs", "4", "--samples", "8192", "--batch_size", "16"])
     for name, value in reference.items():
@@ -153,7 +153,7 @@ def test_snapshot_resume_is_exact(launch, script, torchrun, tmp_path):
     first = read_metrics(tmp_path / "m.json")
     assert first["epochs"] == 2 and first["resumed_from_epoch"] == 0
 
-    r = launch(cmd + ["--max_epochs", "5"], timeout=90)
+    r = launch(cmd + ["--max_epochs", "5", "--resume"], timeout=90)  # another launch's snapshot: asked for
     second = read_metrics(tmp_path / "m.json")
     assert second["resumed_from_epoch"] == 2 and second["epochs"] == 5
     assert second["steps"] == 3 * 32, "a resumed run trains only the missing epochs"

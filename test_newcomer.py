@@ -1,0 +1,163 @@
+"""Issue 22, a new user's first hour: the flags each script takes, checkpoints that never surprise,
+a failure under torchrun that torchrun reports as the root cause, help text that says each default
+once, and the README's "Port your own training loop" (docs/port_your_loop.md) followed literally.
+
+Two launches in the default tier (the port and the root cause); everything else is in-process.
+"""
+import contextlib
+import importlib.util
+import io
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, cpu_env
+
+# The contract's flags, script by script: what the README's table promises and --help must show.
+FLAGS = ("--epochs", "--batch_size", "--lr", "--seed", "--device", "--backend", "--nprocs", "--metrics",
+         "--checkpoint", "--resume", "--timeout")
+COMMON = {"--epochs", "--batch_size", "--lr", "--seed", "--device", "--backend", "--metrics", "--timeout"}
+TAKES = {
+    "ddp_minimal.py": {"--device", "--nprocs"},
+    "ddp_gpus.py": COMMON | {"--nprocs"},
+    "ddp_gpus_torchrun.py": COMMON | {"--checkpoint", "--resume"},
+    "ddp_main.py": COMMON | {"--nprocs", "--checkpoint", "--resume"},
+    "ddp_main_torchrun.py": COMMON | {"--checkpoint", "--resume"},
+    "ddp_transformer.py": COMMON | {"--checkpoint", "--resume"},
+    "ddp_uneven.py": COMMON | {"--checkpoint", "--resume"},
+    "ddp_comm_hooks.py": COMMON,
+    "dp_baseline.py": COMMON | {"--nprocs"},
+}
+TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
+                    "ddp_comm_hooks.py")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name[:-3], ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def help_text(name, monkeypatch):
+    module, out = load(name), io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        if hasattr(module, "parse_args"):
+            module.parse_args(["--help"])
+        else:  # ddp_minimal.py parses in main()
+            monkeypatch.setattr(sys, "argv", [name, "--help"])
+            module.main()
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name", sorted(TAKES))
+def test_each_script_takes_the_flags_the_table_says(name, monkeypatch):
+    """The flags table (docs/port_your_loop.md and the README's contract) is what --help shows, and
+    --help says each default once: never its own `(default: ...)` and argparse's appended one too."""
+    text = help_text(name, monkeypatch)
+    shown = {flag for flag in FLAGS if re.search(re.escape(flag) + r"\b", text)}
+    assert shown == TAKES[name], f"{name}: --help shows {sorted(shown)}"
+    entries = re.split(r"\n\s+(?=-)", text)
+    doubled = [" ".join(e.split()) for e in entries if len(re.findall(r"\(default", e)) > 1 or "(default: None)" in e]
+    assert not doubled, doubled
+
+
+@pytest.mark.parametrize("name", TORCHRUN_SCRIPTS)
+def test_a_torchrun_script_given_nprocs_says_how_to_launch_it(name, capsys):
+    module = load(name)
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args(["--nprocs", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and f"torchrun --standalone --nproc-per-node=N {name}" in lines[0]
+
+
+def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path, monkeypatch, capsys):
+    """continue_checkpoint (the harness): this job's checkpoint is continued unasked, another run's only
+    with --resume, and without it one line names the file, its epoch, the run that wrote it and the ways on."""
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    harness, path = load("ddp_gpus.py"), str(tmp_path / "ck.pt")
+    assert harness.continue_checkpoint(path, False) is False  # nothing there: a fresh start
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    harness.save_checkpoint({"epochs_run": 3}, path)
+    assert harness.continue_checkpoint(path, False) is True  # this job's own: a torchrun restart continues it
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert harness.continue_checkpoint(path, True) is True  # asked
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        harness.continue_checkpoint(path, False)
+    line = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in line, line
+    for part in (path, "epoch 3", "torchrun job job-a", "world size 1", "--resume", "delete it", "another --checkpoint"):
+        assert part in line, (part, line)
+    with pytest.raises(SystemExit):
+        harness.continue_checkpoint(str(tmp_path / "none.pt"), True)
+    assert "--resume but there is no checkpoint at" in capsys.readouterr().err
+    assert harness.nothing_left(path, "epoch", 3, "--epochs", 3) is True
+    said = capsys.readouterr().out
+    assert said.startswith(f"nothing to train: {path} is at epoch 3 and --epochs 3") and "nan" not in said
+    assert harness.nothing_left(path, "epoch", 3, "--epochs", 4) is False
+    assert [harness.plural(1, "process"), harness.plural(2, "process"), harness.plural(1, "rank"),
+            harness.plural(8, "window"), harness.plural(2, "micro-batch")] == [
+        "1 process", "2 processes", "1 rank", "8 windows", "2 micro-batches"]
+
+
+def test_torchrun_reports_our_error_line_as_the_root_cause(launch, torchrun, script, tmp_path):
+    """A problem only a worker can find (an unreadable checkpoint under --resume) is one `error:` line,
+    and torchrun's report names that line as the root cause, through TORCHELASTIC_ERROR_FILE."""
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    r = launch([*torchrun, "--standalone", "--nproc-per-node=2", script("ddp_gpus_torchrun.py"), "--device", "cpu",
+                "--checkpoint", "bad.pt", "--resume"], timeout=120, check=False)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(ours) == 1 and "bad.pt" in ours[0], r
+    root = r.stderr.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2, r
+    assert re.search(r"traceback\s*:\s*" + re.escape(ours[0]), root[1]), root[1]
+    assert "exitcode  : 2" in root[1], root[1]
+
+
+# ---------------------------------------------------------------- "Port your own training loop", literally
+# What a user puts at the three `# PORT` places of their copy: a 2-class MLP on a separable 2-D set.
+PORTED = {
+    "data": ["g = torch.Generator().manual_seed(args.seed)",
+             "points = torch.randn(args.samples, 2, generator=g)",
+             "dataset = torch.utils.data.TensorDataset(points, (points[:, 0] + 0.5 * points[:, 1] > 0).long())"],
+    "model": ["model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))"],
+    "loss": ["loss = F.cross_entropy(self.model(xs), ys)"],
+}
+
+
+def port(source):
+    """The section's step 2: replace the line below each `# PORT (place):` comment."""
+    lines = source.splitlines(keepends=True)
+    for place, new in PORTED.items():
+        at = [i for i, line in enumerate(lines) if line.strip().startswith(f"# PORT ({place}):")]
+        assert len(at) == 1, f"one `# PORT ({place}):` mark in the starting script, found {len(at)}"
+        indent = re.match(r"\s*", lines[at[0]]).group()
+        lines[at[0] + 1] = "".join(f"{indent}{line}\n" for line in new)
+    return "".join(lines)
+
+
+def test_port_your_own_loop_as_the_readme_says(launch, torchrun, metrics, tmp_path):
+    """Copy ddp_gpus_torchrun.py to mine.py, swap data, model and loss at its marks, run it under torchrun
+    at 2 processes in a folder where the original's snapshot lies: it learns, the replicas agree, and
+    neither script's files disturb the other."""
+    mine = tmp_path / "mine.py"
+    mine.write_text(port((ROOT / "ddp_gpus_torchrun.py").read_text()))
+    # what `torchrun ... ddp_gpus_torchrun.py` leaves in the folder: its snapshot (another model)
+    original = tmp_path / "ddp_gpus_torchrun.pt"
+    torch.save({"model": torch.nn.Linear(20, 1).state_dict(), "optimizer": {"state": {}, "param_groups": []},
+                "epochs_run": 5, "job": "an-earlier-job", "world_size": 2}, original)
+    before = original.read_bytes()
+    r = launch([*torchrun, "--standalone", "--nproc-per-node=2", mine, "--device", "cpu", "--metrics", "m.json"],
+               timeout=180, env=cpu_env(OMP_NUM_THREADS=1))
+    m = metrics(tmp_path / "m.json")
+    assert m["script"] == "mine.py" and m["world_size"] == 2 and m["resumed_from_epoch"] == 0, r
+    assert m["final_loss"] < 0.5 * m["first_loss"] and m["final_loss"] < 0.25, m["losses"]
+    assert m["replicas_in_sync"] and "replicas: in sync (2 ranks" in r.stdout, r
+    assert original.read_bytes() == before, "the original's snapshot was touched"
+    assert torch.load(tmp_path / "mine.pt", weights_only=True)["epochs_run"] == m["epochs"]
+    assert "nan" not in r.stdout and "error" not in r.stderr, r
