@@ -413,8 +413,9 @@ def report(hooks, elapsed, loader, in_sync, device, args):
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     smallest = min(hooks, key=lambda name: hooks[name]["bytes_per_step"])
-    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) | torch "
-           f"{torch.__version__} | {args.epochs} epochs x {len(hooks)} hooks | allreduce loss {base['first_loss']:.4f} "
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} x "
+           f"{plural(len(hooks), 'hook')} | allreduce loss {base['first_loss']:.4f} "
            f"-> {base['final_loss']:.4f} | {smallest} {hooks[smallest]['compression']:.1f}x fewer bytes, gap "
            f"{hooks[smallest]['loss_gap']:+.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
@@ -890,8 +891,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

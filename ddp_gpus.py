@@ -208,7 +208,7 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
     result = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s" if history
               else f"nothing trained (resumed at epoch {resumed_from})")
     print0(f"done: {summary['script']} | {world} process{'es' if world != 1 else ''} on {device.type} "
-           f"({summary['backend']}) | torch {torch.__version__} | {args.epochs} epochs | {result} | "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {result} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
@@ -681,8 +681,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

@@ -50,8 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
     p.add_argument("--samples", type=int, default=2048, metavar="N", help="size of the data set")
     p.add_argument("--save_every", type=int, default=1, metavar="N", help="snapshot every N epochs")
-    p.add_argument("--checkpoint", "--snapshot_path", dest="snapshot_path", metavar="PATH",
-                   default=os.path.splitext(os.path.basename(__file__))[0] + ".pt", help="snapshot, named after the script")
+    p.add_argument("--checkpoint", "--snapshot_path", dest="snapshot_path", metavar="PATH", help="snapshot file",
+                   default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
     p.add_argument("--resume", action="store_true", help="continue a snapshot that another run wrote")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
@@ -236,7 +236,7 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
     result = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s" if history
               else f"nothing trained (resumed at epoch {resumed_from})")
     print0(f"done: {summary['script']} | {world} process{'es' if world != 1 else ''} on {device.type} "
-           f"({summary['backend']}) | torch {torch.__version__} | {args.epochs} epochs | {result} | "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {result} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
@@ -711,8 +711,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

@@ -465,8 +465,9 @@ def train(device, args):
     start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if from_checkpoint else 0
     if not args.evaluate:
         nothing_left(args.checkpoint, "epoch", start_epoch, "--epochs", args.epochs)
-    print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
-           f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
+    print0(f"world {plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | amp {args.amp} "
+           f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | "
+           f"{plural(args.epochs, 'epoch')}")
 
     # built before the clock starts: DDP's constructor waits for the slowest rank to arrive.
     # broadcast_buffers=False: by default DDP broadcasts rank 0's BatchNorm statistics before every
@@ -508,7 +509,8 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, device,
         write_json(args.metrics, summary)
     trained = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s"
                if losses else "not trained")
-    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) "
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
+           f"({summary['backend']}) "
            f"| torch {torch.__version__} | {args.dataset} | epoch {summary['epochs']} | {trained} | "
            f"test accuracy {100 * result['test_accuracy']:.2f}% | replicas {'in sync' if in_sync else 'DIFFER'}")
 
@@ -984,8 +986,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

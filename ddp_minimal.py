@@ -51,9 +51,9 @@ def example(rank, world_size, args):
     dist.all_gather(every, after)  # every rank's parameters, to compare
     in_sync, changed = all(torch.equal(p, every[0]) for p in every), not torch.equal(after, before)
     if rank == 0:
-        sys.stdout.write(f"replicas: {'in sync' if in_sync else 'DIFFER'} ({world_size} ranks)\n"
-                         f"done: ddp_minimal.py | {world_size} x {device.type} ({dist.get_backend()}) | parameters "
-                         f"{'changed' if changed else 'DID NOT CHANGE'} | replicas {'in sync' if in_sync else 'DIFFER'}\n")
+        sys.stdout.write(f"replicas: {['DIFFER', 'in sync'][in_sync]}\ndone: ddp_minimal.py | {world_size} "
+                         f"process{'es' * (world_size > 1)} on {device.type} ({dist.get_backend()}) | parameters "
+                         f"{'changed' if changed else 'DID NOT CHANGE'} | replicas {['DIFFER', 'in sync'][in_sync]}\n")
     del ddp_model, loss  # DDP must be gone before its process group: destroying it first can abort
     gc.collect()
     dist.destroy_process_group()

@@ -939,8 +939,8 @@ def describe(trainer, name, entropy):
            f"{len(trainer.val_set)} validation windows"
            + (f" | unigram entropy {entropy:.3f} nats" if entropy is not None else ""))
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
-           f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | {world} x "
-           f"{trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
+           f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
+           f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
            f"{' | compiled' if args.compile else ''} | {trainer.total} steps = "
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
@@ -983,9 +983,11 @@ def report(trainer, history, epochs, losses, in_sync, args):
                + (" (compiling)" if args.compile else ""))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
-           f"torch {torch.__version__} | {epochs} epochs, {trainer.steps} steps | val loss {first_val:.4f} -> "
-           f"{val:.4f} | {f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | replicas {'in sync' if in_sync else 'DIFFER'}")
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(epochs, 'epoch')}, "
+           f"{plural(trainer.steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
+           f"{f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
 def main():
@@ -1464,8 +1466,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

@@ -360,9 +360,11 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    print0(f"done: {summary['script']} | {summary['world_size']} x {device.type} ({summary['backend']}) | "
-           f"torch {torch.__version__} | {training_mode(args)} | {args.epochs} epochs | "
-           + (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if history else f"nothing trained (resumed at epoch {resumed_from})")
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
+           f"({summary['backend']}) | "
+           f"torch {torch.__version__} | {training_mode(args)} | {plural(args.epochs, 'epoch')} | "
+           + (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if history
+              else f"nothing trained (resumed at epoch {resumed_from})")
            + f" | every sample once: {'yes' if checks['once'] else 'NO'} | "
            f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
 
@@ -856,8 +858,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

@@ -347,7 +347,7 @@ def train_ddp(device, args):
     ddp_model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
     world = dist.get_world_size()
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    print0(f"run: ddp | {world} process(es) x {device.type} ({dist.get_backend()})"
+    print0(f"run: ddp | {plural(world, 'process')} on {device.type} ({dist.get_backend()})"
            f"{f', {threads} thread(s) each' if threads else ''} | "
            f"{args.batch_size // world} per process (global batch {args.batch_size})")
     run = fit(model, ddp_model, [device], args.batch_size // world, args)
@@ -418,7 +418,7 @@ def report(records, args):
     runs = " vs ".join(f"{describe(r)} {r['steady_samples_per_s']:.0f} samples/s, loss {r['first_loss']:.4f} -> "
                        f"{r['final_loss']:.4f}, test acc {r['test_accuracy']:.3f}" for r in records)
     in_sync = all(r["replicas_in_sync"] for r in records)
-    say(f"done: {summary['script']} | torch {torch.__version__} | {args.epochs} epochs | {runs} | "
+    say(f"done: {summary['script']} | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {runs} | "
         f"replicas {'in sync' if in_sync else 'DIFFER'}")
     if not in_sync:
         sys.exit(1)
@@ -896,8 +896,9 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {now} processes (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
 
 
 def nothing_left(path, unit, reached, flag, target):

@@ -299,7 +299,7 @@ def test_replica_check_on_a_one_process_group(world_of_one, capsys):
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     fingerprint = (flat * torch.sin(torch.arange(flat.numel(), dtype=torch.float64))).sum().item()
-    assert capsys.readouterr().out == f"replicas: in sync (1 ranks, fingerprint {fingerprint:.10e})\n"
+    assert capsys.readouterr().out == f"replicas: in sync (1 rank, fingerprint {fingerprint:.10e})\n"
     ddp_gpus.check_same_on_every_rank(3, "epochs", "")  # gloo: gathered on the CPU
 
 

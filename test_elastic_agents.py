@@ -126,7 +126,7 @@ def test_transformer_shrinks_and_grows_mid_epoch_and_keeps_its_global_batch(jobs
     out = a.stdout
     steps = [int(s) for s in re.findall(r"^resuming from ck\.pt at epoch \d+, step (\d+)", out, flags=re.MULTILINE)]
     assert len(steps) == 2 and 0 < steps[0] <= steps[1] < total and not steps[0] % 20, out
-    worlds = [int(w) for w in re.findall(r"^model: .* \| (\d) x cpu", out, flags=re.MULTILINE)]
+    worlds = [int(w) for w in re.findall(r"^model: .* \| (\d) process(?:es)? on cpu", out, flags=re.MULTILINE)]
     assert worlds == [2, 1, 2], worlds
     assert "global batch kept: 16 windows a step" in out and "1 process x --batch_size 8 x --grad_accum 2" in out
     assert "error" not in out.lower() + c.stdout.lower(), out + c.stdout

@@ -91,7 +91,8 @@ def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path,
         harness.continue_checkpoint(path, False)
     line = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and "\n" not in line, line
-    for part in (path, "epoch 3", "torchrun job job-a", "world size 1", "--resume", "delete it", "another --checkpoint"):
+    for part in (path, "epoch 3", "torchrun job job-a", "world size 1", "--resume", "delete it",
+                 "another --checkpoint"):
         assert part in line, (part, line)
     with pytest.raises(SystemExit):
         harness.continue_checkpoint(str(tmp_path / "none.pt"), True)

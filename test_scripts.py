@@ -73,7 +73,8 @@ def test_minimal_one_step_identical_parameters(run_sh):
     losses = dict(re.findall(r"\[rank (\d)\] loss=([\d.]+)", out))
     assert set(losses) == {"0", "1"}, out
     assert losses["0"] != losses["1"], "each rank trains on its own batch, so the losses must differ"
-    assert "replicas: in sync (2 ranks" in out and "| parameters changed | replicas in sync" in out
+    assert "replicas: in sync\n" in out and "done: ddp_minimal.py | 2 processes on " in out
+    assert "| parameters changed | replicas in sync" in out
     assert out.strip().splitlines()[-2].startswith("done:"), "done: is the script's last line"
 
 
@@ -474,8 +475,8 @@ def test_mnist_train_checkpoint_resume(run_sh, launch, script, metrics, tmp_path
     m2 = metrics(tmp_path / "m2.json")
     assert "loaded ddp_checkpoint.pt (epoch 3" in second.stdout
     steps = math.ceil(m1["train_samples"] / 32)
-    assert (f"note: resuming at world size 1 a checkpoint written at 2: an epoch is now {steps} steps of 32 x 1 "
-            "samples") in second.stdout, second.stdout
+    assert (f"note: resuming at world size 1 a checkpoint written at 2: an epoch is now {steps} steps of 32 samples x "
+            "1 process") in second.stdout, second.stdout
     assert "epoch 3/4" not in second.stdout and "epoch 4/4" in second.stdout
     assert (m2["world_size"], m2["epochs"], m2["resumed_from_epoch"]) == (1, 4, 3)
     assert m2["steps"] == math.ceil(m1["train_samples"] / 32) == m2["steps_per_epoch"]

@@ -208,8 +208,8 @@ def test_zero_checkpoint_resumes_at_another_world_size(zero, work):
     m = read_metrics(work / "zero_w1.json")
     assert (m["world_size"], m["resumed_from_epoch"], m["epochs"]) == (1, 1, 2), m
     assert m["samples_trained"] == [DATASET] and m["samples_per_rank"] == [DATASET], m
-    assert ("note: resuming at world size 1 a checkpoint written at 2: an epoch is now 64 steps of 32 x 1 samples"
-            in result.stdout), result.stdout
+    assert ("note: resuming at world size 1 a checkpoint written at 2: an epoch is now 64 steps of 32 samples x "
+            "1 process" in result.stdout), result.stdout
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
