@@ -635,7 +635,7 @@ def refuse_launcher_flags(argv=None):
                  "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
         if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
             fail(f"{flag} is torchrun's flag, given to {script}",
-                 f"put it before the script's name: torchrun {flag} ... {script} ...")
+                 f"put it before the script's name: torchrun {arg} {script} ...")
 
 
 def check_positive(args, *names):
