@@ -2,7 +2,7 @@
 
 Scenario: `nn.Linear(20, 1)` learns a fixed linear map from 2048 noisy samples, one
 process per GPU, started by torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT. A snapshot every `--save_every` epochs lets a job torchrun restarts continue.
+and MASTER_PORT. Snapshots let a job torchrun restarts continue (another run's: with `--resume`).
 `DistributedSampler` gives each process its own shard of the data, DDP averages the
 gradients, and every process ends with the same parameters (checked at the end).
 Each process prints the seed's line (`[GPU: 0] Epoch: 0 | Batchsize: 32 | Steps: 32`,
@@ -232,10 +232,9 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    world = summary["world_size"]
     result = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s" if history
               else f"nothing trained (resumed at epoch {resumed_from})")
-    print0(f"done: {summary['script']} | {world} process{'es' if world != 1 else ''} on {device.type} "
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
            f"({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {result} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
@@ -728,7 +727,7 @@ def nothing_left(path, unit, reached, flag, target):
 
 def plural(count, noun):
     """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
-    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "ch", "x")) else "s")
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
 
 
 def resumes_this_job(path):

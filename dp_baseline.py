@@ -913,7 +913,7 @@ def nothing_left(path, unit, reached, flag, target):
 
 def plural(count, noun):
     """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
-    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "ch", "x")) else "s")
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
 
 
 def resumes_this_job(path):

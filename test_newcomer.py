@@ -102,8 +102,8 @@ def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path,
     assert said.startswith(f"nothing to train: {path} is at epoch 3 and --epochs 3") and "nan" not in said
     assert harness.nothing_left(path, "epoch", 3, "--epochs", 4) is False
     assert [harness.plural(1, "process"), harness.plural(2, "process"), harness.plural(1, "rank"),
-            harness.plural(8, "window"), harness.plural(2, "micro-batch")] == [
-        "1 process", "2 processes", "1 rank", "8 windows", "2 micro-batches"]
+            harness.plural(8, "window"), harness.plural(2, "micro-batch"), harness.plural(4, "epoch")] == [
+        "1 process", "2 processes", "1 rank", "8 windows", "2 micro-batches", "4 epochs"]
 
 
 def test_torchrun_reports_our_error_line_as_the_root_cause(launch, torchrun, script, tmp_path):
