@@ -106,14 +106,19 @@ def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path,
         "1 process", "2 processes", "1 rank", "8 windows", "2 micro-batches", "4 epochs"]
 
 
-def test_torchrun_reports_our_error_line_as_the_root_cause(launch, torchrun, script, tmp_path):
-    """A problem only a worker can find (an unreadable checkpoint under --resume) is one `error:` line,
-    and torchrun's report names that line as the root cause, through TORCHELASTIC_ERROR_FILE."""
-    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+# missing: found before the process group is joined (seconds); unreadable: found after, by the Trainer
+@pytest.mark.parametrize("checkpoint,said", [("missing", "no checkpoint at missing.pt"),
+                                             pytest.param("unreadable", "unreadable.pt", marks=pytest.mark.slow)])
+def test_torchrun_reports_our_error_line_as_the_root_cause(checkpoint, said, launch, torchrun, script, tmp_path):
+    """A problem only a worker can find (its checkpoint under --resume: not on this machine, or not
+    readable) is one `error:` line, and torchrun's report names that line as the root cause, through
+    TORCHELASTIC_ERROR_FILE, ahead of the rank torchrun then stopped with SIGTERM."""
+    if checkpoint == "unreadable":
+        (tmp_path / "unreadable.pt").write_bytes(b"not a checkpoint")
     r = launch([*torchrun, "--standalone", "--nproc-per-node=2", script("ddp_gpus_torchrun.py"), "--device", "cpu",
-                "--checkpoint", "bad.pt", "--resume"], timeout=120, check=False)
+                "--checkpoint", f"{checkpoint}.pt", "--resume"], timeout=120, check=False)
     ours = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
-    assert r.returncode != 0 and len(ours) == 1 and "bad.pt" in ours[0], r
+    assert r.returncode != 0 and len(ours) == 1 and said in ours[0], r
     root = r.stderr.split("Root Cause (first observed failure):", 1)
     assert len(root) == 2, r
     assert re.search(r"traceback\s*:\s*" + re.escape(ours[0]), root[1]), root[1]
@@ -162,3 +167,22 @@ def test_port_your_own_loop_as_the_readme_says(launch, torchrun, metrics, tmp_pa
     assert original.read_bytes() == before, "the original's snapshot was touched"
     assert torch.load(tmp_path / "mine.pt", weights_only=True)["epochs_run"] == m["epochs"]
     assert "nan" not in r.stdout and "error" not in r.stderr, r
+
+
+@pytest.mark.slow  # the default suite checks continue_checkpoint and nothing_left in this process
+def test_rerun_is_refused_and_a_finished_resume_trains_nothing(launch, script, metrics, tmp_path):
+    """The issue's first hour, through real launches: a rerun finds the first run's snapshot and stops
+    with one line; --resume with nothing left says so, and prints no nan and no 0 samples/s."""
+    cmd = [sys.executable, script("ddp_gpus_torchrun.py"), "--device", "cpu", "-e", "2", "--samples", "256"]
+    launch(cmd, timeout=120)
+    rerun = launch(cmd, timeout=120, check=False)
+    assert rerun.returncode == 2 and rerun.stderr.strip().splitlines() == [
+        "error: ddp_gpus_torchrun.pt holds a checkpoint at epoch 2 written by a run outside torchrun at world size 1, "
+        "not this job's (pass --resume to continue it; to start afresh delete it or pass another --checkpoint)"], rerun
+    done = launch(cmd + ["--resume", "--metrics", "m.json"], timeout=120)
+    assert "nothing to train: ddp_gpus_torchrun.pt is at epoch 2 and --epochs 2 ends the run there" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].endswith("| 2 epochs | nothing trained (resumed at epoch 2) | "
+                                                         "replicas in sync"), done
+    assert "nan" not in done.stdout and " 0 samples/s" not in done.stdout, done
+    m = metrics(tmp_path / "m.json")
+    assert (m["steps"], m["first_loss"], m["samples_per_s"], m["resumed_from_epoch"]) == (0, None, None, 2), m
