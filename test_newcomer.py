@@ -186,3 +186,22 @@ def test_rerun_is_refused_and_a_finished_resume_trains_nothing(launch, script, m
     assert "nan" not in done.stdout and " 0 samples/s" not in done.stdout, done
     m = metrics(tmp_path / "m.json")
     assert (m["steps"], m["first_loss"], m["samples_per_s"], m["resumed_from_epoch"]) == (0, None, None, 2), m
+
+
+def test_resume_on_other_text_names_the_data_not_the_sizes(tmp_path, monkeypatch, capsys):
+    """ddp_transformer.py --resume with another --data: the vocabulary differs, and with it vocab_size, a
+    size the user never passed; the line names the data (the cause), not the sizes."""
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    transformer, path = load("ddp_transformer.py"), tmp_path / "ck.pt"
+    args = transformer.check_args(transformer.parse_args(["--device", "cpu", "--checkpoint", str(path)]))
+    first_vocab = "abcdefghij"
+    torch.save({"model": {}, "optimizer": {}, "scaler": {}, "config": transformer.model_config(args, first_vocab),
+                "vocab": first_vocab, "epoch": 0, "step": 5, "windows_in_epoch": 40, "global_batch": 8,
+                "batch_size": 8, "world_size": 1}, path)
+    with pytest.raises(SystemExit) as exit_:
+        transformer.read_checkpoint(args, "abcdefghijklm")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert "trained on other text (10 symbols; this text has 13)" in lines[0] and "--data" in lines[0], lines
+    assert "vocab_size" not in lines[0] and "model sizes" not in lines[0], lines
