@@ -866,7 +866,8 @@ def continue_checkpoint(path, resume):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         job = state.get("job")
         found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
-                 + (f"torchrun job {job}" if job else "a run outside torchrun")
+                 + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
+                    else f"torchrun job {job}")
                  + f" at world size {state.get('world_size', '?')}")
     except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
         found = "a file that is not a checkpoint this script can read"
