@@ -3,7 +3,7 @@
 The harness's device_plan maps a device type to its backend, its --amp auto and, where no job
 can run, one error line; it is a pure function of the type, so every type is checked here on a
 CPU. What needs the device itself (set_device_index on it, a collective on it, its own bf16
-check) is read against torch's source, not run: README.md's device table says which is which.
+check) is read against torch's source, not run: docs/devices.md's device table says which is which.
 Also here: the checks that must see a hand-made launch's filled-in LOCAL_RANK, a MASTER_PORT in
 TIME_WAIT against one that something listens on, the replica check on a one-process gloo group,
 the signal a spawned process died of, and the checkpoint described with mmap.
