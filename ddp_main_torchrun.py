@@ -1,8 +1,8 @@
 """An MNIST ConvNet trained with DDP, one process per GPU, launched by torchrun.
 
 Scenario: the seed's `ConvNet` (two conv blocks with BatchNorm, then a linear layer)
-learns MNIST with mixed precision (`torch.amp`; by default bf16 on GPUs and CPUs that
-have it natively, fp16 with a GradScaler on older GPUs), SyncBatchNorm on GPUs, a
+learns MNIST with mixed precision (`torch.amp`; by default bf16 on GPUs that have it
+natively, fp16 with a GradScaler on older GPUs, fp32 on CPUs), SyncBatchNorm on GPUs, a
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
 (the others wait) and writes a checkpoint each epoch that `--resume -e 6` continues to
@@ -82,8 +82,9 @@ def add_training_args(p):
     p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed for the data order and the initial weights")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-                   help="mixed precision; auto: bf16 where the GPU or CPU has it natively, else fp16 "
-                        "(with a GradScaler) on GPUs and off on CPUs")
+                   help="mixed precision; auto (the same rule in every script of the collection): bf16 on a GPU "
+                        "that computes it natively (CUDA from Ampere on), else fp16 with a GradScaler; off "
+                        "(fp32) on CPUs, where what bf16 gains depends on the model: pass --amp bf16 to try it")
 
 
 def add_data_args(p):
@@ -463,17 +464,21 @@ def amp_choice(choice, device):
     """Resolve --amp auto to bf16, fp16 or off, for this process's device (after set_device).
 
     On a GPU bf16 only where it computes in it (Ampere and later on CUDA): torch also reports
-    emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU
-    bf16 only where the CPU has bf16 instructions. Measured on the collection's 2-core test
-    machine (AMD EPYC, avx512_bf16; one ConvNet training step, batch 32, one thread, median
-    of interleaved runs): bf16 autocast 3110 samples/s against fp32 1947 (1.6x). With oneDNN
-    held to the same CPU's instructions without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16
-    fell to 0.8x of fp32, and to 0.2x with AVX2: there autocast only costs precision.
+    emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU fp32,
+    as in every script of the collection (ddp_transformer.py too): what bf16 gains there depends
+    on the model. Measured on the collection's 2-core test machine (AMD EPYC, avx512_bf16; one
+    ConvNet training step, batch 32, one thread, median of interleaved runs): bf16 autocast
+    3110 samples/s against fp32 1947 (1.6x), so `--amp bf16` pays for this ConvNet there; the
+    Transformer ran no faster in bf16 on the same CPU. With oneDNN held to the instructions
+    without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16 fell to 0.8x of fp32, and to 0.2x with
+    AVX2: there autocast only costs precision.
     """
     if choice != "auto":
         return choice
-    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA), or
-    # the CPU's bf16 instructions: bf16 if so, else fp16 on an accelerator and off on the CPU
+    if device.type == "cpu":
+        return "off"
+    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA):
+    # bf16 if so, else fp16 with a GradScaler
     return device_plan(device.type, bf16=bf16_supported(device))["amp"]
 
 

@@ -7,6 +7,8 @@ validation (each bad layout is one error line, exit 2) and of the model's shapes
 --data that holds nothing ends a real launch with exit 2, and 32 x 32 IDX files train.
 """
 import argparse
+import contextlib
+import io
 import math
 import random
 import struct
@@ -201,3 +203,25 @@ def test_idx_files_of_32_by_32(launch, script, metrics, tmp_path):
     assert "data: IDX files of 4 classes, 1 x 32 x 32 from idx | 256 train, 101 test samples" in r.stdout, r
     assert (m["dataset"], m["classes"], m["image_shape"], m["test_samples"]) == ("idx", 4, [1, 32, 32], 101), m
     assert m["test_accuracy"] > 0.7, m  # chance is 1/4
+
+
+def test_amp_auto_is_one_rule_in_every_script():
+    """--amp auto: fp32 on CPUs in the ConvNet and the Transformer alike (each once chose differently on a
+    CPU with native bf16), and both --help texts state the same rule."""
+    import ddp_main_torchrun
+    import ddp_transformer
+    cpu = torch.device("cpu")
+    assert ddp_main.amp_choice("auto", cpu) == ddp_main_torchrun.amp_choice("auto", cpu) == "off"
+    assert ddp_transformer.resolve_amp("auto", cpu) == "off"
+    assert ddp_main.amp_choice("bf16", cpu) == ddp_transformer.resolve_amp("bf16", cpu) == "bf16"  # asked: done
+    rule = "auto (the same rule in every script of the collection): bf16 on a GPU that computes it natively"
+    for module in (ddp_main, ddp_main_torchrun, ddp_transformer):
+        assert rule in help_of(module), module.__name__
+
+
+def help_of(module):
+    """The script's --help, as one line (argparse wraps it)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    return " ".join(out.getvalue().split())
