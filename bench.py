@@ -3,8 +3,8 @@
 
 Runs the collection's scripts the way users do (mp.spawn scripts with `python`, torchrun
 scripts with `torchrun`), reads their `--metrics` files, and reports the median of
-several runs, all taken in one invocation. By default (`bash run.sh bench`, about 27
-launches and 7 minutes on a quiet 2-core machine; the plan is printed first):
+several runs, all taken in one invocation. By default (`bash run.sh bench`, about 36
+launches and 8 to 9 minutes on a quiet 2-core machine, by the plan's estimate; it is printed first):
 
 - scaling: the per-worker efficiency that DDP is judged by,
       E(N) = throughput(N workers) / (N x throughput(1 worker)),
@@ -22,12 +22,15 @@ launches and 7 minutes on a quiet 2-core machine; the plan is printed first):
   Part of what E(N) loses on a small CPU box is the machine's, not DDP's (shared memory
   bandwidth and caches, the benchmark's own Python on a core a rank needs): of_limit
   separates the two.
+- machine (CPU): one process using the whole machine (the automatic thread split: every
+  core), the other way to use the cores without DDP.
+- the answer, the summary's last lines, per model: how many times faster the N DDP
+  processes train than the best one-process configuration measured (1 worker, or one
+  process on every core), or that they are slower, and why (from the limit's figures).
 
 One flag away (see --help):
-- --threads (CPU only): machine, one process using the whole machine (the automatic
-  thread split: every core) against the N 1-thread processes: what DDP on one CPU box
-  buys over simply giving one process all the cores; and threads, other thread policies
-  at the largest N, e.g. OMP_NUM_THREADS=cores in every process (oversubscribed).
+- --threads (CPU only): threads, other thread policies at the largest N, e.g.
+  OMP_NUM_THREADS=cores in every process (oversubscribed); with --quick also machine.
 - --extras: dp_vs_ddp, dp_baseline.py --compare at --max_nprocs: the same model, data and
   global batch trained by one process (DataParallel over those GPUs, or the plain module)
   and by DDP; comm_hooks, ddp_comm_hooks.py: bytes per step, step time and loss gap of
@@ -53,11 +56,15 @@ and makes the exit code 1.
 Usage:
     bash run.sh bench                   # or: python bench.py; scaling + limit, median of 3
     bash run.sh bench --all             # every section (about 2.5x as long)
-    python bench.py --quick             # one run each of tiny workloads: checks the plumbing, not speed
+    python bench.py --quick             # one run each of tiny workloads: a plumbing check, not a speed
+                                        # (its rows say so; written to bench_quick.json)
     python bench.py --repeats 5 --only mlp,convnet
 A line `[k/n] section benchmark N=.. policy (elapsed ..)` precedes every launch, and each
 table row is printed as soon as its setting's last run is in. Writes bench_results.json
-(a list of rows: benchmark, mode, world_size, threads_per_process, throughput, unit,
+(bench_quick.json with --quick, so a check never replaces a measurement): {"run": the
+date, command, torch, device and its name, cores, load average before and after, repeats;
+"answer": the answer's lines; "rows": a list of rows: benchmark, mode, world_size,
+threads_per_process, throughput, unit, plumbing_check,
 efficiency, limit_efficiency, of_limit, plus section, thread_policy, runs, limit_runs
 (each the sum over the N one-process runs), limit_per_process and, for comm_hooks and
 zero, figures; the Transformer's rows also mfu, its model FLOP utilization, where its devices'
