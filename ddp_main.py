@@ -302,8 +302,8 @@ def check_image_folder(root):
     empty = [os.path.join(folder, c) for folder, split in zip(splits, (train, test)) for c in split if not split[c]]
     if not train or empty:
         fail(f"{'empty class folder(s): ' + ', '.join(empty[:3]) if empty else splits[0] + ' has no class folders'}",
-             f"give every class its images ({', '.join(IMG_EXTENSIONS)}) in "
-             f"{os.path.join(root, 'train')}/<class>/, or remove the empty folders", every_node=True)
+             f"put images ({', '.join(IMG_EXTENSIONS)}) in each class folder, or remove the empty ones",
+             every_node=True)
     if set(test) - set(train):
         fail(f"{splits[1]} has classes the training split lacks: {', '.join(sorted(set(test) - set(train))[:5])}",
              "add training images of them, or remove them from the test split", every_node=True)
@@ -329,8 +329,8 @@ def image_format(files):
         if len(found) > 1:
             (mode, size), first = next(iter(found.items()))
             fail(f"the images differ in size or mode: {first} is {mode} {size[0]} x {size[1]}, {path} is "
-                 f"{image.mode} {image.size[0]} x {image.size[1]}", "resize and convert them all to one "
-                 "size and mode (e.g. PIL's Image.convert('RGB').resize)", every_node=True)
+                 f"{image.mode} {image.size[0]} x {image.size[1]}", "give them all one size and mode, "
+                 "e.g. with PIL's Image.convert('RGB').resize((32, 32))", every_node=True)
     return next(iter(found))
 
 
