@@ -6,10 +6,13 @@ natively, fp16 with a GradScaler on older GPUs, fp32 on CPUs), SyncBatchNorm on 
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
 (the others wait) and writes a checkpoint each epoch that `--resume -e 6` continues to
-epoch 6 and `--evaluate` only evaluates. Without MNIST (no copy in `--data`, no network)
-an offline stand-in with MNIST's shapes is used, and the script says so;
-`--dataset synthetic` never touches the network. `--gpu 0,1` counts the GPUs this
-process sees: under CUDA_VISIBLE_DEVICES=4,5,6,7 (SLURM, containers) it means 4 and 5.
+epoch 6 and `--evaluate` only evaluates. `--data DIR` also takes your own images in
+ImageFolder's layout (DIR/train/<class>/*, DIR/test/<class>/*): the classes, channels and
+image size come from the data (docs/own_images.md). Without MNIST in the default ./data
+and no network an offline stand-in with MNIST's shapes is used, and the script says so; a
+`--data` you typed that holds no data is an error; `--dataset synthetic` never touches
+the network. `--gpu 0,1` counts the GPUs this process sees: under
+CUDA_VISIBLE_DEVICES=4,5,6,7 (SLURM, containers) it means 4 and 5.
 
 One script, two launches. ddp_main.py starts one process per GPU itself: mp.spawn passes
 each its rank, and the script sets the environment torchrun would set. ddp_main_torchrun.py
