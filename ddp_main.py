@@ -97,9 +97,11 @@ def add_data_args(p):
                    help=f"auto: what --data holds; without --data, MNIST in {DEFAULT_DATA} (downloaded if "
                         "missing), else the offline synthetic stand-in; mnist: download MNIST into --data if missing")
     p.add_argument("--train_samples", type=int, default=None, metavar="N",
-                   help="use the first N training samples (default: all of them; 6000 synthetic)")
+                   help="use the first N training samples, of an image folder N spread evenly over "
+                        "its classes (default: all of them; 6000 synthetic)")
     p.add_argument("--test_samples", type=int, default=None, metavar="N",
-                   help="use the first N test samples (default: all of them; 1000 synthetic)")
+                   help="use the first N test samples, of an image folder N spread evenly (default: "
+                        "all of them; 1000 synthetic)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="DataLoader worker processes, per process (0: load in the training process)")
 
@@ -414,8 +416,10 @@ def load_datasets(args):
     else:
         *sets, info = folder_sets(args)
         args.dataset = info.pop("kind")
-    sets = [Subset(s, range(n)) if n and n < len(s) else s
-            for s, n in zip(sets, (args.train_samples, args.test_samples))]
+    # an image folder lists its files class by class: its first N would be the first classes only
+    spread = args.dataset == "images"
+    sets = [Subset(s, torch.linspace(0, len(s) - 1, n).long().tolist() if spread else range(n))
+            if n and n < len(s) else s for s, n in zip(sets, (args.train_samples, args.test_samples))]
     where = "" if args.dataset == "synthetic" else f" from {args.data or DEFAULT_DATA}"
     print0(f"data: {info['name']}{where} | {len(sets[0])} train, {len(sets[1])} test samples | "
            f"normalised: {info['normalization']}")

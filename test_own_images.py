@@ -225,3 +225,15 @@ def help_of(module):
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         module.parse_args(["--help"])
     return " ".join(out.getvalue().split())
+
+
+def test_a_cut_image_folder_keeps_every_class(tmp_path, capsys):
+    """--train_samples / --test_samples on an image folder (listed class by class) spread over the classes."""
+    write_folder(tmp_path / "f", {"train": [4, 4, 4], "test": [2, 2, 2]}, make=lambda rng, label: Image.new("L", (8, 8)))
+    found, _ = check(tmp_path / "f", capsys)
+    args = argparse.Namespace(dataset="auto", data=str(tmp_path / "f"), image_folder=found, seed=0,
+                              train_samples=3, test_samples=3)
+    (train, test), info = ddp_main.load_datasets(args)
+    assert sorted(label for _, label in train) == sorted(label for _, label in test) == [0, 1, 2]
+    assert train[0][0].shape == (1, 8, 8) and info["name"] == "image folder of 3 classes, 1 x 8 x 8"
+    assert "| 3 train, 3 test samples |" in capsys.readouterr().out
