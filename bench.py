@@ -3,8 +3,8 @@
 
 Runs the collection's scripts the way users do (mp.spawn scripts with `python`, torchrun
 scripts with `torchrun`), reads their `--metrics` files, and reports the median of
-several runs, all taken in one invocation. By default (`bash run.sh bench`, about 27
-launches and 7 minutes on a quiet 2-core machine; the plan is printed first):
+several runs, all taken in one invocation. By default (`bash run.sh bench`, about 36
+launches and 8 to 9 minutes on a quiet 2-core machine, by the plan's estimate; it is printed first):
 
 - scaling: the per-worker efficiency that DDP is judged by,
       E(N) = throughput(N workers) / (N x throughput(1 worker)),
@@ -22,12 +22,15 @@ launches and 7 minutes on a quiet 2-core machine; the plan is printed first):
   Part of what E(N) loses on a small CPU box is the machine's, not DDP's (shared memory
   bandwidth and caches, the benchmark's own Python on a core a rank needs): of_limit
   separates the two.
+- machine (CPU): one process using the whole machine (the automatic thread split: every
+  core), the other way to use the cores without DDP.
+- the answer, the summary's last lines, per model: how many times faster the N DDP
+  processes train than the best one-process configuration measured (1 worker, or one
+  process on every core), or that they are slower, and why (from the limit's figures).
 
 One flag away (see --help):
-- --threads (CPU only): machine, one process using the whole machine (the automatic
-  thread split: every core) against the N 1-thread processes: what DDP on one CPU box
-  buys over simply giving one process all the cores; and threads, other thread policies
-  at the largest N, e.g. OMP_NUM_THREADS=cores in every process (oversubscribed).
+- --threads (CPU only): threads, other thread policies at the largest N, e.g.
+  OMP_NUM_THREADS=cores in every process (oversubscribed); with --quick also machine.
 - --extras: dp_vs_ddp, dp_baseline.py --compare at --max_nprocs: the same model, data and
   global batch trained by one process (DataParallel over those GPUs, or the plain module)
   and by DDP; comm_hooks, ddp_comm_hooks.py: bytes per step, step time and loss gap of
@@ -53,11 +56,15 @@ and makes the exit code 1.
 Usage:
     bash run.sh bench                   # or: python bench.py; scaling + limit, median of 3
     bash run.sh bench --all             # every section (about 2.5x as long)
-    python bench.py --quick             # one run each of tiny workloads: checks the plumbing, not speed
+    python bench.py --quick             # one run each of tiny workloads: a plumbing check, not a speed
+                                        # (its rows say so; written to bench_quick.json)
     python bench.py --repeats 5 --only mlp,convnet
 A line `[k/n] section benchmark N=.. policy (elapsed ..)` precedes every launch, and each
 table row is printed as soon as its setting's last run is in. Writes bench_results.json
-(a list of rows: benchmark, mode, world_size, threads_per_process, throughput, unit,
+(bench_quick.json with --quick, so a check never replaces a measurement): {"run": the
+date, command, torch, device and its name, cores, load average before and after, repeats;
+"answer": the answer's lines; "rows": a list of rows: benchmark, mode, world_size,
+threads_per_process, throughput, unit, plumbing_check,
 efficiency, limit_efficiency, of_limit, plus section, thread_policy, runs, limit_runs
 (each the sum over the N one-process runs), limit_per_process and, for comm_hooks and
 zero, figures; the Transformer's rows also mfu, its model FLOP utilization, where its devices'
@@ -74,6 +81,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import shutil
 import socket
@@ -177,7 +185,9 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="limit for each launch; it is killed with all its processes after that "
                         "(default: 600, 300 with --quick)")
-    p.add_argument("--out", default="bench_results.json", metavar="PATH", help="where to write the rows (default: %(default)s)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="where to write the results (default: bench_results.json; bench_quick.json with --quick, "
+                        "so that a plumbing check never replaces a measurement)")
     p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
                    help="one device's peak dense TFLOP/s, given to ddp_transformer.py for the MFU of its rows "
                         "(default: its own table of GPUs; on CPU none, and no MFU)")
@@ -193,6 +203,7 @@ def fail(what, fix):
 def check_args(args):
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     args.timeout = args.timeout if args.timeout is not None else (300 if args.quick else 600)
+    args.out = args.out or ("bench_quick.json" if args.quick else "bench_results.json")
     if args.repeats <= 0:
         fail(f"--repeats must be a positive integer, got {args.repeats}", "pass --repeats 1 or more")
     if not args.timeout > 0:
@@ -429,6 +440,7 @@ class Setting:
         self.mode = mode
         self.parts, self.failures, self.how = {}, [], set()  # parts: mode -> world, threads, runs, figures
         self.steps = set()  # optimizer steps per process, as each run's metrics say
+        self.quick = False  # a --quick run's setting: its rows are plumbing checks
 
     @property
     def policy(self):
@@ -451,9 +463,12 @@ def benchmark_settings(name, spec, args):
         if n > 1:
             settings.append(Setting("limit", name, spec, n, omp))  # N one-process worlds at once
         settings.append(Setting("scaling", name, spec, n, omp))
-    if args.device != "cpu" or not args.threads:
+    if args.device != "cpu":
         return settings
-    settings.append(Setting("machine", name, spec, 1, None))  # 1 process, every core (automatic split)
+    if args.threads or not args.quick:  # the answer weighs DDP against the best one-process run
+        settings.append(Setting("machine", name, spec, 1, None))  # 1 process, every core (automatic split)
+    if not args.threads:
+        return settings
     n, auto = args.max_nprocs, max(1, cores() // args.max_nprocs)
     if auto > 1 and spec["launcher"] != "torchrun":  # torchrun sets 1 thread per worker itself
         settings.append(Setting("threads", name, spec, n, None))
@@ -474,6 +489,8 @@ def plan(args):
         settings.append(Setting("comm_hooks", "comm_hooks", HOOKS, n, None))
     if "zero" in args.only:
         settings += [Setting("zero", "zero", ZERO_OFF, n, None, "ddp"), Setting("zero", "zero", ZERO, n, None, "zero")]
+    for s in settings:
+        s.quick = args.quick
     return settings
 
 
@@ -510,7 +527,8 @@ def print_plan(runnable, args, spent=0.0):
           f"({LAUNCHER_START_S:.1f} s of start-up per launcher, {WORKER_START_S:.1f} s per worker: import torch "
           f"and torch._dynamo; plus the work)", flush=True)
     left = [f"{flag} ({what})" for flag, what, on in (
-        ("--threads", "the machine and threads sections", args.threads or args.device != "cpu"),
+        ("--threads", "the threads section" + (" and the machine section" if args.quick else ""),
+         args.threads or args.device != "cpu"),
         ("--extras", "dp_vs_ddp, comm_hooks, zero", set(EXTRAS) <= set(args.only))) if not on]
     if left:
         print(f"not in this run: {'; '.join(left)}; --all adds every section", flush=True)
@@ -689,7 +707,8 @@ def row(setting, mode, part):
               "threads_per_process": part["threads"], "throughput": statistics.median(runs) if runs else None,
               "unit": setting.spec["unit"], "efficiency": None, "limit_efficiency": None, "of_limit": None,
               "section": setting.section, "thread_policy": setting.policy, "runs": runs,
-              "limit_throughput": None, "limit_runs": [], "limit_per_process": []}
+              "limit_throughput": None, "limit_runs": [], "limit_per_process": [],
+              "plumbing_check": setting.quick}  # --quick: tiny workloads, one run: a check, not a figure
     if part["figures"]:
         record["figures"] = {k: statistics.median(v) for k, v in part["figures"].items()}
     if part.get("mfu"):
@@ -718,6 +737,8 @@ def row_line(r):
         runs += " | limit " + " ".join(number(x) for x in r["limit_runs"])
     if r.get("mfu") is not None:
         runs += f" | MFU {100 * r['mfu']:.2f}%"
+    if r.get("plumbing_check"):
+        runs += " | plumbing check"
     return (f"{r['section']:10} {r['benchmark']:12} {r['mode']:16} {r['world_size']:>3} {threads:>8} "
             f"{r['thread_policy']:18} {figure:>12} {r['unit']:10} {ratio['efficiency']:>6} "
             f"{ratio['limit_efficiency']:>6} {ratio['of_limit']:>7}  {runs}")
@@ -806,6 +827,74 @@ def summary_lines(rows, device):
     return lines
 
 
+def one_process_text(r, device):
+    """`1 process x 2 threads` on CPU, `1 process on 1 GPU` on GPUs."""
+    if device != "cpu":
+        return "1 process on 1 GPU"
+    threads = r["threads_per_process"]
+    return f"1 process x {threads} thread{'s' if threads != 1 else ''}"
+
+
+def slower_because(r, best):
+    """Why N DDP processes lost to one process, from the figures the rows hold."""
+    why = []
+    if best["section"] == "machine":
+        why.append(f"one process already puts all {best['threads_per_process']} cores to work through its threads, "
+                   "and never communicates")
+    if r.get("limit_efficiency") is not None:
+        why.append(f"{r['world_size']} processes that never communicate reach {r['limit_efficiency']:.2f} of "
+                   f"{r['world_size']} x one 1-worker run (the rest is what they take from each other on this "
+                   f"machine: memory bandwidth, caches, and any other load), and DDP {r['of_limit']:.2f} of that "
+                   f"(the rest is the all-reduce of the gradients at every step)")
+    else:
+        why.append("the all-reduce of the gradients at every step costs more than the extra workers give")
+    return "; ".join(why)
+
+
+def answer_lines(rows, device, quick):
+    """The summary's last word, per benchmark: how many times faster N DDP processes train than the best
+    one-process configuration measured here (the 1-worker row, on CPU also one process on every core),
+    or that they are slower, and why."""
+    lines = []
+    for name, r in largest_scaling(rows).items():
+        ones = [o for o in rows if o["benchmark"] == name and o["world_size"] == 1 and o["throughput"]
+                and o["section"] in ("scaling", "machine")]
+        if r["world_size"] < 2 or not r["throughput"] or not ones:
+            continue
+        best = max(ones, key=lambda o: o["throughput"])
+        ratio = r["throughput"] / best["throughput"]
+        against = (f"the best one-process configuration measured here ({one_process_text(best, device)}: "
+                   f"{number(best['throughput'])} {best['unit']})")
+        if device == "cpu" and not any(o["section"] == "machine" for o in ones):
+            against += " (one process on every core was not measured: --threads adds it)"
+        text = (f"{name}: {r['world_size']} DDP processes train {ratio:.2f} times as fast as {against}"
+                if ratio >= 1 else f"{name}: {r['world_size']} DDP processes train SLOWER than {against}, at "
+                                   f"{ratio:.2f} times its speed. Why: {slower_because(r, best)}")
+        lines.append(("answer (plumbing check, not a measurement): " if quick else "answer: ") + text)
+    return lines
+
+
+def cpu_name():
+    """The CPU's model name (Linux), else what platform knows."""
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def run_record(args, started_at, load_before, elapsed):
+    """What a result file needs to be read later: when, how, on what, and under which load."""
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    return {"date": started_at, "command": shlex.join([sys.executable, *sys.argv]), "cwd": os.getcwd(),
+            "host": platform.node(), "torch": torch.__version__, "python": platform.python_version(),
+            "device": args.device, "device_name": torch.cuda.get_device_name(0) if gpus else cpu_name(),
+            "gpus": gpus, "cores": cores(), "load_before": list(load_before), "load_after": list(os.getloadavg()),
+            "repeats": args.repeats, "max_nprocs": args.max_nprocs, "elapsed_s": elapsed,
+            "plumbing_check": args.quick}
+
+
 def write_json(path, record):
     """Write atomically: a reader never sees half a file."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -860,6 +949,7 @@ def main():
     # a SIGTERM unwinds like Ctrl-C, so the launch in flight is killed with all its processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started, load_before = time.monotonic(), os.getloadavg()
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if load_before[0] > cores() / 2:
         print(f"note: load average {load_before[0]:.2f} on {cores()} cores: other work is running, "
               f"the figures will not be representative", flush=True)
@@ -877,8 +967,14 @@ def main():
               f"steady_{s.spec['key']} and prints no epoch lines): warm-up may be included"
               for s in runnable if "whole run" in s.how] + workload_notes(runnable)
     rows = rows_from(runnable, args.device)
+    if args.quick:
+        print("\nQUICK: tiny workloads, one run each: every row is a plumbing check, not a measurement", flush=True)
     print_table(rows, notes + failures, args, load_before)
-    write_json(args.out, rows)
+    answer = answer_lines(rows, args.device, args.quick)
+    for line in answer:
+        print(line, flush=True)
+    record = run_record(args, started_at, load_before, time.monotonic() - started)
+    write_json(args.out, {"run": record, "rows": rows, "answer": answer})
     print(f"wrote {len(rows)} rows to {os.path.abspath(args.out)} in {time.monotonic() - started:.0f} s", flush=True)
     if stopped is not None or failures:
         sys.exit(stopped or 1)

@@ -1,15 +1,18 @@
 """An MNIST ConvNet trained with DDP, one process per GPU, launched with `mp.spawn`.
 
 Scenario: the seed's `ConvNet` (two conv blocks with BatchNorm, then a linear layer)
-learns MNIST with mixed precision (`torch.amp`; by default bf16 on GPUs and CPUs that
-have it natively, fp16 with a GradScaler on older GPUs), SyncBatchNorm on GPUs, a
+learns MNIST with mixed precision (`torch.amp`; by default bf16 on GPUs that have it
+natively, fp16 with a GradScaler on older GPUs, fp32 on CPUs), SyncBatchNorm on GPUs, a
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
 (the others wait) and writes a checkpoint each epoch that `--resume -e 6` continues to
-epoch 6 and `--evaluate` only evaluates. Without MNIST (no copy in `--data`, no network)
-an offline stand-in with MNIST's shapes is used, and the script says so;
-`--dataset synthetic` never touches the network. `--gpu 0,1` counts the GPUs this
-process sees: under CUDA_VISIBLE_DEVICES=4,5,6,7 (SLURM, containers) it means 4 and 5.
+epoch 6 and `--evaluate` only evaluates. `--data DIR` also takes your own images in
+ImageFolder's layout (DIR/train/<class>/*, DIR/test/<class>/*): the classes, channels and
+image size come from the data (docs/own_images.md). Without MNIST in the default ./data
+and no network an offline stand-in with MNIST's shapes is used, and the script says so; a
+`--data` you typed that holds no data is an error; `--dataset synthetic` never touches
+the network. `--gpu 0,1` counts the GPUs this process sees: under
+CUDA_VISIBLE_DEVICES=4,5,6,7 (SLURM, containers) it means 4 and 5.
 
 One script, two launches. ddp_main.py starts one process per GPU itself: mp.spawn passes
 each its rank, and the script sets the environment torchrun would set. ddp_main_torchrun.py
@@ -53,6 +56,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (a large world)
+DEFAULT_DATA = "./data"
+IMAGE_MODES = {"L": 1, "RGB": 3, "RGBA": 4}  # PIL mode -> channels; a palette (P) holds indices, not colours
 
 
 # ---------------------------------------------------------------- arguments
@@ -76,18 +81,27 @@ def add_training_args(p):
     p.add_argument("--lr", type=float, default=1e-3, metavar="LR", help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed for the data order and the initial weights")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-                   help="mixed precision; auto: bf16 where the GPU or CPU has it natively, else fp16 "
-                        "(with a GradScaler) on GPUs and off on CPUs")
+                   help="mixed precision; auto (the same rule in every script of the collection): bf16 on a GPU "
+                        "that computes it natively (CUDA from Ampere on), else fp16 with a GradScaler; off "
+                        "(fp32) on CPUs, where what bf16 gains depends on the model: pass --amp bf16 to try it")
 
 
 def add_data_args(p):
-    p.add_argument("--data", default="./data", metavar="DIR", help="MNIST folder (DIR/MNIST/raw)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help=f"your data, one of two layouts: MNIST's IDX files in DIR/MNIST/raw, or an image folder "
+                        "(torchvision's ImageFolder): DIR/train/<class>/* and DIR/test/<class>/* (or DIR/val), one "
+                        "subfolder per class, every image of one size and mode (L, RGB or RGBA). Classes, channels "
+                        "and size come from the data, the normalisation from the training split. A DIR that holds "
+                        f"neither is an error. Not given: {DEFAULT_DATA}, where MNIST is downloaded if missing")
     p.add_argument("--dataset", choices=["auto", "mnist", "synthetic"], default="auto",
-                   help="auto: MNIST when present or downloadable, else the offline synthetic stand-in")
+                   help=f"auto: what --data holds; without --data, MNIST in {DEFAULT_DATA} (downloaded if "
+                        "missing), else the offline synthetic stand-in; mnist: download MNIST into --data if missing")
     p.add_argument("--train_samples", type=int, default=None, metavar="N",
-                   help="use the first N training samples (default: all of MNIST; 6000 synthetic)")
+                   help="use the first N training samples, of an image folder N spread evenly over "
+                        "its classes (default: all of them; 6000 synthetic)")
     p.add_argument("--test_samples", type=int, default=None, metavar="N",
-                   help="use the first N test samples (default: all of MNIST; 1000 synthetic)")
+                   help="use the first N test samples, of an image folder N spread evenly (default: "
+                        "all of them; 1000 synthetic)")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="DataLoader worker processes, per process (0: load in the training process)")
 
@@ -121,6 +135,7 @@ def check_args(args):
     check_folders(args.checkpoint, args.metrics)
     if not args.evaluate:  # another run's checkpoint is continued only with --resume; overwritten never unasked
         args.resume = continue_checkpoint(args.checkpoint, args.resume)
+    check_data(args)
     select_gpus(args)
     resolve_device(args)
     check_launch(args)
@@ -231,15 +246,21 @@ class SyntheticDigits(Dataset):
         return self.images[index], int(self.targets[index])
 
 
-def mnist_available(root):
-    """True when MNIST's four files are in root/MNIST/raw (where torchvision reads them), or download there."""
+def mnist_files(root):
+    """True when MNIST's four IDX files are in root/MNIST/raw, where torchvision reads them."""
     # imported here, not at the top: torchvision adds about 1.7 s of CPU to the start of every
     # process (measured on 2 cores), and the synthetic data needs none of it
     import torchvision
     raw = os.path.join(root, "MNIST", "raw")
-    if all(os.path.isfile(os.path.join(raw, name.removesuffix(".gz")))
-           for name, _ in torchvision.datasets.MNIST.resources):
+    return all(os.path.isfile(os.path.join(raw, name.removesuffix(".gz")))
+               for name, _ in torchvision.datasets.MNIST.resources)
+
+
+def mnist_available(root):
+    """True when MNIST's files are in root/MNIST/raw, or could be downloaded there."""
+    if mnist_files(root):
         return True
+    import torchvision
     # no network often fails at once; a network that drops packets must not hang the job
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(20)
@@ -254,38 +275,157 @@ def mnist_available(root):
         socket.setdefaulttimeout(previous)
 
 
+def check_data(args):
+    """What --data holds, found before any process starts (so a typo is not trained on a stand-in):
+    an image folder, checked image by image, sets args.image_folder; a path the user typed that
+    holds neither layout is an error. MNIST is looked for (and downloaded) later, by rank 0."""
+    args.image_folder = None
+    root = args.data or DEFAULT_DATA
+    if args.dataset == "auto" and os.path.isdir(os.path.join(root, "train")):
+        args.image_folder = check_image_folder(root)
+    elif args.dataset == "auto" and args.data is not None and not mnist_files(root):
+        fail(f"--data {args.data} holds no data: neither an image folder ({os.path.join(args.data, 'train')}"
+             f"/<class>/*) nor MNIST's IDX files ({os.path.join(args.data, 'MNIST', 'raw')})",
+             "check the path; --dataset mnist downloads MNIST there, --dataset synthetic trains on "
+             "the offline stand-in", every_node=True)
+
+
+def class_files(folder, extensions):
+    """{class: its image files}, as ImageFolder finds them: one subfolder per class, searched to any depth."""
+    classes = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
+    return {c: sorted(os.path.join(top, name) for top, _, names in os.walk(os.path.join(folder, c), followlinks=True)
+                      for name in names if name.lower().endswith(extensions)) for c in classes}
+
+
+def check_image_folder(root):
+    """An image folder's layout, checked: the classes (from train/), the test split (test/ or val/), and
+    one size and mode for every image. Returns what the model and the data line need, else one error line."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS  # see mnist_files
+    splits = [os.path.join(root, name) for name in ("train", "test", "val") if os.path.isdir(os.path.join(root, name))]
+    if len(splits) < 2:
+        fail(f"the image folder {root} has train/ but no test/ or val/", f"put held-out images of the same "
+             f"classes in {os.path.join(root, 'test')}/<class>/*", every_node=True)
+    train, test = (class_files(folder, IMG_EXTENSIONS) for folder in splits[:2])
+    empty = [os.path.join(folder, c) for folder, split in zip(splits, (train, test)) for c in split if not split[c]]
+    if not train or empty:
+        fail(f"{'empty class folder(s): ' + ', '.join(empty[:3]) if empty else splits[0] + ' has no class folders'}",
+             f"put images ({', '.join(IMG_EXTENSIONS)}) in each class folder, or remove the empty ones",
+             every_node=True)
+    if set(test) - set(train):
+        fail(f"{splits[1]} has classes the training split lacks: {', '.join(sorted(set(test) - set(train))[:5])}",
+             "add training images of them, or remove them from the test split", every_node=True)
+    mode, (width, height) = image_format([f for split in (train, test) for files in split.values() for f in files])
+    if mode not in IMAGE_MODES or min(width, height) < 4:
+        fail(f"the images in {root} are {mode}, {width} x {height}", "convert them to L, RGB or RGBA, "
+             "at least 4 x 4 pixels", every_node=True)
+    shape = [IMAGE_MODES[mode], height, width]
+    return {"kind": "images", "train": splits[0], "test": splits[1], "classes": sorted(train), "shape": shape,
+            "name": f"image folder of {len(train)} classes, {' x '.join(map(str, shape))}"}
+
+
+def image_format(files):
+    """The one (mode, size) of every image file (PIL reads only the headers), else one error line."""
+    from PIL import Image, UnidentifiedImageError
+    found = {}
+    for path in files:
+        try:
+            with Image.open(path) as image:
+                found.setdefault((image.mode, image.size), path)
+        except (OSError, UnidentifiedImageError) as e:
+            fail(f"cannot read the image {path} ({type(e).__name__})", "remove or replace it", every_node=True)
+        if len(found) > 1:
+            (mode, size), first = next(iter(found.items()))
+            fail(f"the images differ in size or mode: {first} is {mode} {size[0]} x {size[1]}, {path} is "
+                 f"{image.mode} {image.size[0]} x {image.size[1]}", "give them all one size and mode, "
+                 "e.g. with PIL's Image.convert('RGB').resize((32, 32))", every_node=True)
+    return next(iter(found))
+
+
+def read_image(path):
+    """ImageFolder's loader, keeping the image's mode (its own converts every image to RGB)."""
+    from PIL import Image
+    with Image.open(path) as image:
+        image.load()
+        return image
+
+
 def choose_dataset(args, device):
-    """'mnist' or 'synthetic'. Only global rank 0 looks for (and downloads) MNIST; the rest wait for its answer."""
+    """'images', 'mnist' or 'synthetic'. Only global rank 0 looks for (and downloads) MNIST; the rest wait."""
+    if args.image_folder:
+        return "images"  # found and checked by check_data, on every node
     found = torch.zeros(1, dtype=torch.long, device=device)
     if dist.get_rank() == 0 and args.dataset != "synthetic":
-        found[0] = int(mnist_available(args.data))
+        found[0] = int(mnist_available(args.data or DEFAULT_DATA))
     dist.broadcast(found, src=0)  # the barrier: nobody reads the folder before rank 0 has filled it
     if found.item():
         return "mnist"
     if args.dataset == "mnist":
-        fail(f"MNIST is not in {args.data}/MNIST/raw and could not be downloaded",
+        fail(f"MNIST is not in {args.data or DEFAULT_DATA}/MNIST/raw and could not be downloaded",
              "use --dataset synthetic for the offline stand-in, or copy MNIST there")
     return "synthetic"
 
 
-def load_datasets(args):
-    """The (train, test) sets of args.dataset, cut to --train_samples / --test_samples."""
-    if args.dataset == "mnist":
-        import torchvision  # see mnist_available
+def normalization(dataset):
+    """Per-channel mean and std of up to 2000 evenly spaced images of `dataset` (which yields tensors)."""
+    picks = torch.linspace(0, len(dataset) - 1, min(len(dataset), 2000)).long().unique().tolist()
+    images = torch.stack([dataset[i][0] for i in picks]).double()
+    return images.mean(dim=(0, 2, 3)).tolist(), images.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
 
-        to_tensor = torchvision.transforms.Compose([
-            torchvision.transforms.ToTensor(),
-            torchvision.transforms.Normalize((0.1307,), (0.3081,)),  # MNIST's mean and std
-        ])
-        sets = [torchvision.datasets.MNIST(args.data, train=train, transform=to_tensor) for train in (True, False)]
+
+def folder_sets(args):
+    """(train, test, what they are) of an image folder or IDX files, normalised by the training split."""
+    import torchvision
+    transforms = torchvision.transforms
+    info, root = args.image_folder, args.data or DEFAULT_DATA
+    if info:
+        train = torchvision.datasets.ImageFolder(info["train"], transforms.ToTensor(), loader=read_image)
+        test = torchvision.datasets.ImageFolder(info["test"], loader=read_image)
+        # the test split's classes are numbered as the training split's, which may have more
+        test.target_transform = {i: train.class_to_idx[c] for i, c in enumerate(test.classes)}.__getitem__
     else:
+        train, test = (torchvision.datasets.MNIST(root, train=split, transform=transforms.ToTensor())
+                       for split in (True, False))
+        info = idx_info(train, test, root)
+    mean, std = normalization(train)
+    train.transform = test.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    info = {**info, "normalization": f"mean {fmt(mean)}, std {fmt(std)} per channel (the training split's)"}
+    return train, test, info
+
+
+def fmt(values):
+    return "/".join(f"{v:.4f}" for v in values)
+
+
+def idx_info(train, test, root):
+    """Classes and shape of IDX files; MNIST itself is named so only when it has MNIST's sizes."""
+    classes, shape = int(train.targets.max()) + 1, [1, *train.data.shape[1:]]
+    if int(test.targets.max()) >= classes:
+        fail(f"the test labels in {root}/MNIST/raw go up to {int(test.targets.max())}, the training labels to "
+             f"{classes - 1}", "number the classes alike in both splits, from 0")
+    is_mnist = (len(train), len(test), classes, shape) == (60000, 10000, 10, [1, 28, 28])
+    kind = "mnist" if is_mnist else "idx"
+    name = "MNIST" if is_mnist else f"IDX files of {classes} classes, {' x '.join(map(str, shape))}"
+    return {"kind": kind, "classes": [str(c) for c in range(classes)], "shape": shape, "name": name}
+
+
+def load_datasets(args):
+    """The (train, test) sets of args.dataset, cut to --train_samples / --test_samples, and what they are."""
+    if args.dataset == "synthetic":
         sets = [SyntheticDigits(n, seed=args.seed, train=train)
                 for n, train in ((args.train_samples or 6000, True), (args.test_samples or 1000, False))]
-    sets = [Subset(s, range(n)) if n and n < len(s) else s
-            for s, n in zip(sets, (args.train_samples, args.test_samples))]
-    print0(f"data: {'MNIST from ' + args.data if args.dataset == 'mnist' else 'SYNTHETIC stand-in, not MNIST'} "
-           f"| {len(sets[0])} train, {len(sets[1])} test samples")
-    return sets
+        info = {"kind": "synthetic", "classes": [str(c) for c in range(10)], "shape": [1, 28, 28],
+                "name": "SYNTHETIC stand-in, not MNIST", "normalization": "none (the stand-in is centred)"}
+    else:
+        *sets, info = folder_sets(args)
+        args.dataset = info.pop("kind")
+    # an image folder lists its files class by class: its first N would be the first classes only
+    spread = args.dataset == "images"
+    sets = [Subset(s, torch.linspace(0, len(s) - 1, n).long().tolist() if spread else range(n))
+            if n and n < len(s) else s for s, n in zip(sets, (args.train_samples, args.test_samples))]
+    where = "" if args.dataset == "synthetic" else f" from {args.data or DEFAULT_DATA}"
+    print0(f"data: {info['name']}{where} | {len(sets[0])} train, {len(sets[1])} test samples | "
+           f"normalised: {info['normalization']}")
+    return sets, info
 
 
 def make_loaders(train_set, test_set, device, args):
@@ -307,18 +447,24 @@ def make_loaders(train_set, test_set, device, args):
 
 # ---------------------------------------------------------------- model
 class ConvNet(nn.Module):
-    """The seed's model: two conv blocks (conv, BatchNorm, ReLU, max-pool), then a linear layer."""
+    """The seed's model: two conv blocks (conv, BatchNorm, ReLU, max-pool), then a linear layer.
 
-    def __init__(self, num_classes=10):
+    For images of any size (4 x 4 and up) and channels: an adaptive pooling brings the feature
+    map to the 7 x 7 of a 28 x 28 image, so the linear layer keeps the seed's shape. On 28 x 28
+    images it changes nothing, and a checkpoint of the fixed-size model loads as it was.
+    """
+
+    def __init__(self, num_classes=10, channels=1):
         super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, kernel_size=5, stride=1, padding=2),
+        self.layer1 = nn.Sequential(nn.Conv2d(channels, 16, kernel_size=5, stride=1, padding=2),
                                     nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
         self.layer2 = nn.Sequential(nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
                                     nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
+        self.pool = nn.AdaptiveAvgPool2d(7)
         self.fc = nn.Linear(7 * 7 * 32, num_classes)
 
     def forward(self, x):
-        out = self.layer2(self.layer1(x))
+        out = self.pool(self.layer2(self.layer1(x)))
         return self.fc(out.reshape(out.size(0), -1))
 
 
@@ -326,17 +472,21 @@ def amp_choice(choice, device):
     """Resolve --amp auto to bf16, fp16 or off, for this process's device (after set_device).
 
     On a GPU bf16 only where it computes in it (Ampere and later on CUDA): torch also reports
-    emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU
-    bf16 only where the CPU has bf16 instructions. Measured on the collection's 2-core test
-    machine (AMD EPYC, avx512_bf16; one ConvNet training step, batch 32, one thread, median
-    of interleaved runs): bf16 autocast 3110 samples/s against fp32 1947 (1.6x). With oneDNN
-    held to the same CPU's instructions without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16
-    fell to 0.8x of fp32, and to 0.2x with AVX2: there autocast only costs precision.
+    emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU fp32,
+    as in every script of the collection (ddp_transformer.py too): what bf16 gains there depends
+    on the model. Measured on the collection's 2-core test machine (AMD EPYC, avx512_bf16; one
+    ConvNet training step, batch 32, one thread, median of interleaved runs): bf16 autocast
+    3110 samples/s against fp32 1947 (1.6x), so `--amp bf16` pays for this ConvNet there; the
+    Transformer ran no faster in bf16 on the same CPU. With oneDNN held to the instructions
+    without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16 fell to 0.8x of fp32, and to 0.2x with
+    AVX2: there autocast only costs precision.
     """
     if choice != "auto":
         return choice
-    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA), or
-    # the CPU's bf16 instructions: bf16 if so, else fp16 on an accelerator and off on the CPU
+    if device.type == "cpu":
+        return "off"
+    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA):
+    # bf16 if so, else fp16 with a GradScaler
     return device_plan(device.type, bf16=bf16_supported(device))["amp"]
 
 
@@ -453,10 +603,11 @@ def train(device, args):
     torch.manual_seed(args.seed)
     args.dataset = choose_dataset(args, device)
     args.amp = amp_choice(args.amp, device)
-    train_loader, test_loader = make_loaders(*load_datasets(args), device, args)
+    sets, data = load_datasets(args)
+    train_loader, test_loader = make_loaders(*sets, device, args)
     # the world size sets the steps per epoch: a large world gets more epochs, not fewer steps
     args.epochs = args.epochs or max(DEFAULT_EPOCHS, math.ceil(MIN_STEPS / len(train_loader)))
-    model = ConvNet().to(device)
+    model = ConvNet(len(data["classes"]), channels=data["shape"][0]).to(device)
     if device.type != "cpu":  # torch's SyncBatchNorm takes cuda, xpu, hpu and npu tensors, not CPU ones
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -484,6 +635,7 @@ def train(device, args):
     result = evaluate(model, test_loader, args.amp, device)
     print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
            f"accuracy {100 * result['test_accuracy']:.2f}%")
+    result.update(data=data["name"], classes=len(data["classes"]), image_shape=data["shape"])
     report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args)
     return in_sync
 

@@ -155,8 +155,9 @@ def add_model_args(p):
                    help="Transformer blocks (default 4; 2 on toy)")
     p.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "off"], default="auto",
-                   help="autocast dtype; auto: bf16 on GPUs with native bf16, else fp16 with a "
-                        "GradScaler; off on CPU")
+                   help="autocast dtype; auto (the same rule in every script of the collection): bf16 on a GPU "
+                        "that computes it natively (CUDA from Ampere on), else fp16 with a GradScaler; off "
+                        "(fp32) on CPUs, where what bf16 gains depends on the model: pass --amp bf16 to try it")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the DDP model (needs a C++ compiler on CPU; the first step compiles)")
     p.add_argument("--bucket_cap_mb", type=float, default=25, metavar="MB",

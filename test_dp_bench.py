@@ -4,6 +4,7 @@ Everything runs on CPU (the `launch` fixture hides the GPUs) in a temporary dire
 bounded by a timeout. No test asserts a speed: only that the figures exist and are positive
 (and that two jobs of one launch start together).
 """
+import datetime
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import cpu_env
 
@@ -144,9 +146,16 @@ def assert_limit(row, one):
 
 
 def test_bench_quick_writes_well_formed_results(launch, tmp_path):
+    (tmp_path / "bench_results.json").write_text("a full run's results")
     out = launch(bench_command(), timeout=600)
-    rows = json.loads((tmp_path / "bench_results.json").read_text())
+    assert (tmp_path / "bench_results.json").read_text() == "a full run's results", "--quick overwrote a full result"
+    result = json.loads((tmp_path / "bench_quick.json").read_text())
+    rows = result["rows"]
     assert_well_formed(rows)
+    assert_run_recorded(result["run"], "--quick --only mlp")
+    # a quick run's rows are plumbing checks, in the JSON, the table and the answer
+    assert all(r["plumbing_check"] is True for r in rows) and result["run"]["plumbing_check"] is True
+    assert "QUICK: tiny workloads, one run each: every row is a plumbing check, not a measurement" in out.stdout
     by = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]): r for r in rows}
     assert by.keys() == {("scaling", "mlp", "ddp", 1, "OMP_NUM_THREADS=1"),
                          ("scaling", "mlp", "ddp", 2, "OMP_NUM_THREADS=1")}
@@ -175,6 +184,48 @@ def test_bench_quick_writes_well_formed_results(launch, tmp_path):
         assert out.stdout.count(line + "\n") == 2 and out.stdout.index(line) < out.stdout.index(before), line
     assert f"{two['efficiency']:.2f}   {two['limit_efficiency']:.2f}    {two['of_limit']:.2f}  " in bench.row_line(two)
     assert "different steps per process" not in out.stdout, "the limit runs took the steps of one rank"
+    assert all(bench.row_line(r).endswith(" | plumbing check") for r in rows)
+    # the summary ends with the answer in words: 2 DDP processes against the best one-process run measured
+    ratio = two["throughput"] / one["throughput"]
+    said = (f"mlp: 2 DDP processes train {ratio:.2f} times as fast as" if ratio >= 1 else
+            "mlp: 2 DDP processes train SLOWER than")
+    answer = f"answer (plumbing check, not a measurement): {said} the best one-process configuration measured " \
+             f"here (1 process x 1 thread: {bench.number(one['throughput'])} samples/s) (one process on every " \
+             f"core was not measured: --threads adds it)"
+    summary = out.stdout.strip().splitlines()
+    assert summary[-2].startswith(answer) and summary[-1].startswith("wrote 2 rows to "), summary[-3:]
+    assert result["answer"] == [summary[-2]]
+    assert ratio >= 1 or f"at {ratio:.2f} times its speed. Why: 2 processes that never communicate reach " \
+                         f"{two['limit_efficiency']:.2f}" in summary[-2], summary[-2]
+
+
+def assert_run_recorded(run, flags):
+    """A result file says when and how it was made, on what, and under which load."""
+    assert run["command"].endswith(f"bench.py {flags}") and run["torch"] == torch.__version__, run
+    assert (run["device"], run["cores"]) == ("cpu", len(os.sched_getaffinity(0))) and run["device_name"], run
+    assert len(run["load_before"]) == len(run["load_after"]) == 3 and min(run["load_after"]) >= 0, run
+    started = datetime.datetime.fromisoformat(run["date"])
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()) < 3600, run
+
+
+def test_bench_answer_in_words_on_made_up_figures():
+    """The answer weighs N DDP processes against the best one-process run measured (here one process on
+    every core), and says why when DDP is slower: no launch, no timing."""
+    bench = import_bench()
+    spec = bench.BENCHMARKS["convnet"]
+    settings = [bench.Setting("scaling", "convnet", spec, 1, 1), bench.Setting("scaling", "convnet", spec, 2, 1),
+                bench.Setting("machine", "convnet", spec, 1, None)]
+    for s, figure, threads in zip(settings, (100, 180, 150), (1, 1, 2)):
+        bench.file_run(s, {"samples_per_s": figure, "world_size": s.n, "threads_per_process": threads}, "", "cpu")
+    [faster] = bench.answer_lines(bench.rows_from(settings, "cpu"), "cpu", quick=False)
+    assert faster == ("answer: convnet: 2 DDP processes train 1.20 times as fast as the best one-process "
+                      "configuration measured here (1 process x 2 threads: 150 samples/s)")
+    bench.file_run(settings[2], {"samples_per_s": 300, "world_size": 1, "threads_per_process": 2}, "", "cpu")
+    bench.file_run(settings[2], {"samples_per_s": 300, "world_size": 1, "threads_per_process": 2}, "", "cpu")
+    [slower] = bench.answer_lines(bench.rows_from(settings, "cpu"), "cpu", quick=False)  # median 300 now
+    assert slower.startswith("answer: convnet: 2 DDP processes train SLOWER than the best one-process "
+                             "configuration measured here (1 process x 2 threads: 300 samples/s), at 0.60 times "
+                             "its speed. Why: one process already puts all 2 cores to work"), slower
 
 
 @pytest.mark.slow
@@ -182,7 +233,11 @@ def test_bench_quick_all_sections(launch, tmp_path):
     """Every section once, on tiny workloads: every benchmark's scaling rows and limit, the whole
     machine, the thread policies, DP against DDP, the comm hooks and ZeRO."""
     out = launch(["bash", str(ROOT / "run.sh"), "bench", "--quick", "--all"], timeout=1800)
-    rows = json.loads((tmp_path / "bench_results.json").read_text())
+    result = json.loads((tmp_path / "bench_quick.json").read_text())
+    rows = result["rows"]
+    assert_run_recorded(result["run"], "--quick --all")
+    assert [line.split(": ")[1] for line in result["answer"]] == ["mlp", "convnet", "transformer"]
+    assert "(one process on every core was not measured" not in out.stdout  # --all measures it
     assert "FAILED" not in out.stdout and "skipped" not in out.stdout, out
     assert_well_formed([r for r in rows if r["section"] not in ("comm_hooks", "zero")])
     by = {(r["section"], r["benchmark"], r["mode"], r["world_size"], r["thread_policy"]): r for r in rows}

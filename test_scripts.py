@@ -470,7 +470,7 @@ def test_mnist_train_checkpoint_resume(run_sh, launch, script, metrics, tmp_path
     # resumed by the torchrun sibling as a one-process world: the checkpoint is launcher-independent
     second = launch([sys.executable, script("ddp_main_torchrun.py"), "--device", "cpu", "--amp", "off",
                      "--train_samples", m1["train_samples"], "--test_samples", MNIST_TEST_SAMPLES,
-                     "--data", tmp_path / "data", "--timeout", "60", "-e", "4", "--resume", "--metrics", "m2.json"],
+                     "--dataset", "synthetic", "--timeout", "60", "-e", "4", "--resume", "--metrics", "m2.json"],
                     timeout=MNIST_TIMEOUT, env=offline_env())
     m2 = metrics(tmp_path / "m2.json")
     assert "loaded ddp_checkpoint.pt (epoch 3" in second.stdout
@@ -574,12 +574,17 @@ def test_mnist_files_and_bf16(launch, script, metrics, tmp_path):
                      "--data", str(tmp_path / "data"), "-e", "2", "--amp", "bf16", "--metrics", "m.json"],
                     timeout=MNIST_TIMEOUT, env=offline_env())
     m = metrics(tmp_path / "m.json")
-    assert "MNIST download failed" not in result.stdout and f"MNIST from {tmp_path / 'data'}" in result.stdout
-    assert (m["dataset"], m["train_samples"], m["test_samples"], m["amp"]) == ("mnist", 320, 101, "bf16")
+    # the user's own IDX files: not named MNIST (which has 60000 + 10000 samples)
+    assert "MNIST download failed" not in result.stdout, result.stdout
+    assert f"data: IDX files of 10 classes, 1 x 28 x 28 from {tmp_path / 'data'}" in result.stdout, result.stdout
+    assert (m["dataset"], m["train_samples"], m["test_samples"], m["amp"]) == ("idx", 320, 101, "bf16")
     assert m["test_accuracy"] > 0.9, m  # images and labels were read in step
     checkpoint, model = load_checkpoint(tmp_path / "ddp_checkpoint.pt")
-    assert checkpoint["args"]["amp"] == "bf16" and checkpoint["args"]["dataset"] == "mnist"
-    normalized = ((test_images.float() / 255 - 0.1307) / 0.3081).unsqueeze(1)  # the script's transform
+    assert checkpoint["args"]["amp"] == "bf16" and checkpoint["args"]["dataset"] == "idx"
+    train_pixels = train_images.double() / 255  # normalised by the training split's mean and std
+    mean, std = train_pixels.mean().item(), train_pixels.std().item()
+    assert f"mean {mean:.4f}, std {std:.4f} per channel" in result.stdout, result.stdout
+    normalized = ((test_images.float() / 255 - mean) / std).unsqueeze(1)  # the script's transform
     correct, fp32_loss = evaluate_here(model, normalized, test_labels.long())
     assert abs(round(m["test_accuracy"] * 101) - correct) <= 2
     assert m["test_loss"] != fp32_loss and m["test_loss"] == pytest.approx(fp32_loss, rel=0.1, abs=0.01)

@@ -1,0 +1,240 @@
+"""The ConvNet (ddp_main.py, ddp_main_torchrun.py) on the user's own images (issue 23).
+
+An image folder the tests write themselves with PIL: DIR/train/<class>/*.png and DIR/test/<class>/*.png.
+Default tier: one launch of 2 spawned processes (exact test count, accuracy above chance, replicas in
+sync, the checkpoint reloads and reproduces the result here), and in-process checks of the layout
+validation (each bad layout is one error line, exit 2), of a typed --data that holds nothing, of the
+model's shapes, of a cut folder keeping every class, and of --amp auto's one rule. Slow tier: a typed
+--data that holds nothing ends a real launch with exit 2, and 32 x 32 IDX files train.
+"""
+import argparse
+import contextlib
+import io
+import math
+import random
+import struct
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import ddp_main
+from conftest import cpu_env
+from ddp_main import ConvNet
+
+COLOURS = {"blue": (50, 60, 210), "green": (40, 180, 60), "red": (200, 40, 40)}  # sorted: ImageFolder's order
+TRAIN, TEST = [80, 80, 80], [31, 33, 35]  # 99 test images: 2 ranks do not divide them, a padding sampler shows
+TIMEOUT = 240  # generous: the machine may be shared
+
+
+def patch_image(rng, colour, size=32):
+    """Noise with a square patch of about `colour` somewhere in it: its class is the patch's colour."""
+    noise = torch.randint(0, 160, (size, size, 3), generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    image = Image.fromarray(noise.to(torch.uint8).numpy(), "RGB")
+    side = rng.randrange(8, 16)
+    x, y = rng.randrange(0, size - side), rng.randrange(0, size - side)
+    image.paste(tuple(min(255, max(0, c + rng.randrange(-30, 30))) for c in colour), (x, y, x + side, y + side))
+    return image
+
+
+def write_folder(root, counts, seed=0, make=None):
+    """root/<split>/<class>/<i>.png for {split: [images per class]}; returns {split: [(path, label)]}."""
+    rng, written = random.Random(seed), {}
+    for split, per_class in counts.items():
+        written[split] = []
+        for label, ((name, colour), n) in enumerate(zip(COLOURS.items(), per_class)):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                path = folder / f"{i}.png"
+                (make(rng, label) if make else patch_image(rng, colour)).save(path)
+                written[split].append((path, label))
+    return written
+
+
+def as_tensors(files):
+    """Images (N, C, H, W) in [0, 1] and their labels, read here with PIL, independently of the script."""
+    images = torch.stack([torch.from_numpy(np.asarray(Image.open(p))) for p, _ in files]).double() / 255
+    return images.permute(0, 3, 1, 2), torch.tensor([label for _, label in files])
+
+
+def test_image_folder_at_two_processes(launch, script, metrics, tmp_path):
+    """ddp_main.py --data FOLDER at 2 processes: what was found is named, every test image is counted
+    once, the colours are learnt, the replicas agree, and the checkpoint reproduces the test result here."""
+    files = write_folder(tmp_path / "shapes", {"train": TRAIN, "test": TEST})
+    r = launch([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "2", "--data", "shapes",
+                "--amp", "off", "-e", "5", "-b", "16", "--metrics", "m.json", "--timeout", "60"],
+               timeout=TIMEOUT, env=cpu_env())
+    m = metrics(tmp_path / "m.json")
+    assert "data: image folder of 3 classes, 3 x 32 x 32 from shapes | 240 train, 99 test samples" in r.stdout, r
+    assert "MNIST" not in r.stdout and "SYNTHETIC" not in r.stdout, r.stdout
+    assert (m["dataset"], m["data"], m["classes"], m["image_shape"]) == (
+        "images", "image folder of 3 classes, 3 x 32 x 32", 3, [3, 32, 32]), m
+    assert (m["world_size"], m["train_samples"], m["test_samples"]) == (2, 240, 99), m
+    assert m["steps_per_epoch"] == math.ceil(240 / 2 / 16) and m["replicas_in_sync"] is True, m
+    assert r.stdout.count("test: 99 samples") == 1 and m["final_loss"] < m["first_loss"], r.stdout
+    assert m["test_accuracy"] > 0.8, m  # chance is 1/3
+
+    # the checkpoint, evaluated here on images read here, normalised by the training split's statistics
+    train_images, _ = as_tensors(files["train"])
+    mean, std = train_images.mean(dim=(0, 2, 3)), train_images.std(dim=(0, 2, 3))
+    assert f"mean {'/'.join(f'{v:.4f}' for v in mean)}, std {'/'.join(f'{v:.4f}' for v in std)}" in r.stdout
+    checkpoint = torch.load(tmp_path / "ddp_checkpoint.pt", map_location="cpu", weights_only=True)
+    model = ConvNet(3, channels=3).double().eval()
+    model.load_state_dict(checkpoint["model"])
+    images, labels = as_tensors(files["test"])
+    with torch.no_grad():
+        outputs = model((images - mean[:, None, None]) / std[:, None, None])
+    assert round(m["test_accuracy"] * 99) == int((outputs.argmax(1) == labels).sum())
+    assert m["test_loss"] == pytest.approx(F.cross_entropy(outputs, labels).item(), rel=1e-3, abs=1e-5)
+
+
+# ---------------------------------------------------------------- the layout, checked before training
+def check(root, capsys):
+    """ddp_main.check_data on --data root: (the image folder found, None) or (None, its one error line)."""
+    args = argparse.Namespace(dataset="auto", data=str(root))
+    try:
+        ddp_main.check_data(args)
+    except SystemExit as e:
+        assert e.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(")"), lines
+        return None, lines[0]
+    return args.image_folder, None
+
+
+def test_layout_checks(tmp_path, capsys):
+    """Each bad layout is one error line naming what is wrong; val/ stands for test/; grey images are 1 channel."""
+    tiny = {"train": [2, 2, 2], "test": [1, 1, 1]}
+    write_folder(tmp_path / "ok", tiny, make=lambda rng, label: Image.new("L", (9, 7), 40 * label))
+    found, _ = check(tmp_path / "ok", capsys)
+    assert (found["classes"], found["shape"], found["name"]) == (
+        ["blue", "green", "red"], [1, 7, 9], "image folder of 3 classes, 1 x 7 x 9")
+
+    write_folder(tmp_path / "val", {"train": [2, 2, 2], "val": [1, 1, 0]}, make=lambda rng, label: Image.new("RGB", (8, 8)))
+    (tmp_path / "val" / "val" / "red").rmdir()
+    found, _ = check(tmp_path / "val", capsys)
+    assert found["test"].endswith("val") and found["shape"] == [3, 8, 8]  # a class without test images is fine
+
+    bad = {  # the folder's name: (what is written into it, what the error line must say)
+        "sizes": (lambda rng, label: Image.new("RGB", (8, 8 + (label == 2))), "differ in size or mode"),
+        "modes": (lambda rng, label: Image.new("RGB" if label else "L", (8, 8)), "differ in size or mode"),
+        "palette": (lambda rng, label: Image.new("P", (8, 8)), "convert them to L, RGB or RGBA"),
+    }
+    for name, (make, says) in bad.items():
+        write_folder(tmp_path / name, tiny, make=make)
+        assert says in check(tmp_path / name, capsys)[1]
+
+    write_folder(tmp_path / "empty", {"train": [2, 0, 2], "test": [1, 0, 1]}, make=lambda rng, label: Image.new("L", (8, 8)))
+    assert "empty class folder(s): " + str(tmp_path / "empty" / "train" / "green") in check(tmp_path / "empty", capsys)[1]
+    write_folder(tmp_path / "extra", tiny, make=lambda rng, label: Image.new("L", (8, 8)))
+    (tmp_path / "extra" / "train" / "red").rename(tmp_path / "red")
+    assert "has classes the training split lacks: red" in check(tmp_path / "extra", capsys)[1]
+    (tmp_path / "notest" / "train" / "a").mkdir(parents=True)
+    assert "has train/ but no test/ or val/" in check(tmp_path / "notest", capsys)[1]
+    (tmp_path / "ok" / "train" / "red" / "0.png").write_bytes(b"not a png")
+    assert "cannot read the image" in check(tmp_path / "ok", capsys)[1]
+
+
+def test_a_typed_path_is_never_replaced_by_the_stand_in(tmp_path, capsys, monkeypatch):
+    """--data that holds nothing (a typo, an empty folder) is an error; only the default folder may be absent."""
+    (tmp_path / "empty").mkdir()
+    for typed in (tmp_path / "idxx", tmp_path / "empty"):
+        found, error = check(typed, capsys)
+        assert f"--data {typed} holds no data" in error and "--dataset synthetic" in error, error
+        assert not (tmp_path / "idxx").exists()  # nothing created, nothing downloaded
+    monkeypatch.chdir(tmp_path)  # no ./data here: the default folder is absent, the fallback stays
+    args = argparse.Namespace(dataset="auto", data=None)
+    ddp_main.check_data(args)
+    assert args.image_folder is None and capsys.readouterr().err == ""
+
+
+def test_convnet_shapes_and_old_checkpoints():
+    """28 x 28: the adaptive pooling is the identity and the parameters are the seed's (an old
+    checkpoint loads); other sizes and channels run through the same linear layer."""
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    assert {name for name in model.state_dict()} == {
+        f"{layer}.{i}.{p}" for layer in ("layer1", "layer2") for i, p in
+        [(0, "weight"), (0, "bias"), (1, "weight"), (1, "bias"), (1, "running_mean"), (1, "running_var"),
+         (1, "num_batches_tracked")]} | {"fc.weight", "fc.bias"}
+    assert model.fc.weight.shape == (10, 7 * 7 * 32)
+    x = torch.randn(4, 1, 28, 28)
+    with torch.no_grad():
+        seed_forward = model.fc(model.layer2(model.layer1(x)).reshape(4, -1))  # the fixed-size model
+        assert torch.equal(model(x), seed_forward)
+        assert ConvNet(3, channels=3)(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+        assert ConvNet(5, channels=4)(torch.randn(2, 4, 4, 5)).shape == (2, 5)
+
+
+# ---------------------------------------------------------------- slow: real launches
+@pytest.mark.slow
+def test_typed_path_that_holds_nothing_is_exit_2(launch, script, tmp_path):
+    """ddp_main.py --data mydata/idxx (a typo): one error line, exit 2, nothing created or trained."""
+    (tmp_path / "mydata" / "idx").mkdir(parents=True)
+    r = launch([sys.executable, script("ddp_main.py"), "--device", "cpu", "--data", "mydata/idxx"],
+               timeout=TIMEOUT, env=cpu_env(), check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "--data mydata/idxx holds no data" in errors[0], r
+    assert "Traceback" not in r.stderr and "SYNTHETIC" not in r.stdout and not (tmp_path / "mydata" / "idxx").exists()
+
+
+@pytest.mark.slow
+def test_idx_files_of_32_by_32(launch, script, metrics, tmp_path):
+    """IDX files in MNIST's layout with 32 x 32 images and 4 classes train (a traceback before issue 23),
+    and are named for what they are, not MNIST."""
+    def write(prefix, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        labels = torch.randint(0, 4, (n,), generator=g, dtype=torch.uint8)
+        images = torch.randint(0, 60, (n, 32, 32), generator=g, dtype=torch.uint8)
+        for i, c in enumerate(labels.tolist()):
+            images[i, 4 + 6 * c:8 + 6 * c, 4:28] = 255  # the class is the row of a bright band
+        raw = tmp_path / "idx" / "MNIST" / "raw"
+        raw.mkdir(parents=True, exist_ok=True)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">4i", 0x803, n, 32, 32) + images.numpy().tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">2i", 0x801, n) + labels.numpy().tobytes())
+    write("train", 256, 1)
+    write("t10k", 101, 2)
+    r = launch([sys.executable, script("ddp_main_torchrun.py"), "--device", "cpu", "--data", "idx", "-e", "3",
+                "--metrics", "m.json"], timeout=TIMEOUT, env=cpu_env())
+    m = metrics(tmp_path / "m.json")
+    assert "data: IDX files of 4 classes, 1 x 32 x 32 from idx | 256 train, 101 test samples" in r.stdout, r
+    assert (m["dataset"], m["classes"], m["image_shape"], m["test_samples"]) == ("idx", 4, [1, 32, 32], 101), m
+    assert m["test_accuracy"] > 0.7, m  # chance is 1/4
+
+
+def test_amp_auto_is_one_rule_in_every_script():
+    """--amp auto: fp32 on CPUs in the ConvNet and the Transformer alike (each once chose differently on a
+    CPU with native bf16), and both --help texts state the same rule."""
+    import ddp_main_torchrun
+    import ddp_transformer
+    cpu = torch.device("cpu")
+    assert ddp_main.amp_choice("auto", cpu) == ddp_main_torchrun.amp_choice("auto", cpu) == "off"
+    assert ddp_transformer.resolve_amp("auto", cpu) == "off"
+    assert ddp_main.amp_choice("bf16", cpu) == ddp_transformer.resolve_amp("bf16", cpu) == "bf16"  # asked: done
+    rule = "auto (the same rule in every script of the collection): bf16 on a GPU that computes it natively"
+    for module in (ddp_main, ddp_main_torchrun, ddp_transformer):
+        assert rule in help_of(module), module.__name__
+
+
+def help_of(module):
+    """The script's --help, as one line (argparse wraps it)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    return " ".join(out.getvalue().split())
+
+
+def test_a_cut_image_folder_keeps_every_class(tmp_path, capsys):
+    """--train_samples / --test_samples on an image folder (listed class by class) spread over the classes."""
+    write_folder(tmp_path / "f", {"train": [4, 4, 4], "test": [2, 2, 2]}, make=lambda rng, label: Image.new("L", (8, 8)))
+    found, _ = check(tmp_path / "f", capsys)
+    args = argparse.Namespace(dataset="auto", data=str(tmp_path / "f"), image_folder=found, seed=0,
+                              train_samples=3, test_samples=3)
+    (train, test), info = ddp_main.load_datasets(args)
+    assert sorted(label for _, label in train) == sorted(label for _, label in test) == [0, 1, 2]
+    assert train[0][0].shape == (1, 8, 8) and info["name"] == "image folder of 3 classes, 1 x 8 x 8"
+    assert "| 3 train, 3 test samples |" in capsys.readouterr().out
