@@ -843,13 +843,13 @@ def explain_collective_failure(error, health, timeout):
     text, rank = str(error), global_rank()
     roll_call()
     sites = "; to see where they parted: TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)"
-    if "Detected mismatch between collectives" in text:
-        return f"the ranks called different collectives ({mismatch_of(text)}): {call_sites(error, health)}" \
-            if rank == 0 else ""
+    if "Detected mismatch between collectives" in text:  # every rank's check sees it: all gather
+        where = call_sites(error, health)
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
     if "connection reset" in text.lower() or "connection closed" in text.lower():
         answered = roll_call(min(timeout, 5))
         lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
-        if answered and rank != min(answered):
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
             return ""
         return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
                 f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
@@ -873,7 +873,7 @@ def mismatch_of(text):
     described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
                             for r, _, op, shape, dtype in sides)
     differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
-    aspects = " ".join(differ.group(1).replace("vs", " vs ").split()) if differ else "?"
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
     return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
 
 
