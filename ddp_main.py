@@ -852,7 +852,7 @@ def explain_collective_failure(error, health, timeout):
             return ""
         return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
                 f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
-                f"(it crashed, was killed, or its machine went away; here the job was in {call_sites(error)})")
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
     if "timed out" not in text.lower():
         return None
     try:

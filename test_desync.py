@@ -280,3 +280,9 @@ def test_lost_node_ends_the_survivor_with_one_line(tmp_path):
                      rf"kept in {re.escape(str(tmp_path / 'snap.pt'))} \[rank 0\]$", errors[0]), report
     print(f"lost node: node 0's error line {took:.1f} s after the kill: {errors[0]}")
     assert took < 60, report
+
+
+@pytest.mark.slow
+def test_run_sh_desync_mode_passes(launch):
+    r = launch(["bash", ROOT / "run.sh", "desync"], timeout=300)
+    assert "1 passed, 0 failed" in r.stdout and "PASS" in r.stdout, str(r)
