@@ -108,6 +108,9 @@ def check_args(args):
     check_positive(args, "epochs", "batch_size", "lr", "samples", "width", "bad_step", "log_every", "timeout")
     check_folders(args.checkpoint, args.metrics)
     resolve_device(args)
+    if args.diagnose == "flight" and args.backend == "gloo" and not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        fail(f"--diagnose flight: torch {torch.__version__} keeps no flight record for gloo (torch 2.7 records NCCL only)",
+             "use --diagnose detail or timeout, or torch 2.14, whose gloo records")
     if args.resume and not (args.checkpoint and os.path.exists(args.checkpoint)):
         fail(f"--resume but no checkpoint at {args.checkpoint}", "pass the --checkpoint PATH an earlier run wrote",
              every_node=True)  # this machine's files
@@ -269,7 +272,8 @@ def dump_trace(args):
     timeout), so each rank writes its own here. torch 2.14's gloo record names its groups '' in the
     group table, and torchfrtrace then stops with KeyError: ('0', 0) (docs/ddp_breaks_hangs.md): the
     table is rebuilt from the names the entries carry, every group here spanning all ranks."""
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    c10d = torch._C._distributed_c10d
+    trace = pickle.loads((getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace)())  # NCCL's name before
     ranks = str(list(range(dist.get_world_size())))
     if "" in trace["pg_config"]:
         trace["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks}
