@@ -218,7 +218,8 @@ def log_stats(step, stats, counts, args):
     if args.bug == "shape" and not args.fix:
         if counts["bad"]:  # the bug: a key only the rank that saw the NaN has
             stats = {**stats, "bad_batches": float(counts["bad"])}
-            if step == args.bad_step:
+            if not counts["announced"]:
+                counts["announced"] = True
                 announce(step, f"reduces {len(stats)} statistics, the other ranks 2 (--bug shape)")
     else:  # the fix: the same keys, in the same order, on every rank
         stats = {**stats, "bad_batches": float(counts["bad"])}
