@@ -278,7 +278,7 @@ def test_lost_node_ends_the_survivor_with_one_line(tmp_path):
     assert code != 0 and len(errors) == 1, report
     assert re.search(r"^error: lost rank 1: its connection closed mid-collective .* checkpoint at epoch [1-9]\d* "
                      rf"kept in {re.escape(str(tmp_path / 'snap.pt'))} \[rank 0\]$", errors[0]), report
-    print(f"lost node: node 0's error line {took:.1f} s after the kill: {errors[0]}")
+    print(f"lost node: node 0's agent exited {took:.1f} s after the kill: {errors[0]}")
     assert took < 60, report
 
 
