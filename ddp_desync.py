@@ -45,6 +45,7 @@ Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file a
 with a rank-local decision, the three diagnoses, and the agreed decision that fixes it. On
 NCCL the watchdog aborts a timed-out collective and dumps the flight recorder by itself
 (see prepare_rendezvous in the harness); gloo records but dumps only when asked, as here.
+torch 2.7 (the floor) runs all of it except --diagnose flight on gloo: its gloo keeps no record.
 """
 
 # ---------------------------------------------------------------- imports
