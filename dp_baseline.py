@@ -456,6 +456,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
 import struct
@@ -786,15 +787,15 @@ def continue_checkpoint(path, resume):
 
 @contextlib.contextmanager
 def explained_failures(timeout, checkpoint=None):
-    """Around one process's training: turn the two ways a job ends early into one line each.
+    """Around one process's training: turn the ways a job ends early into one line each.
 
-    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
-    via a second gloo group: after a timeout the main group's connections are closed, this
-    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
-    prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every process leaves
-    at once with exit code 130. A checkpoint being written was already removed on the way
-    here (save_checkpoint is atomic), and a clean shutdown is not attempted: with the peers
-    gone, releasing DDP's reducer can wait on them for seconds.
+    A collective that failed (gloo) is explained by explain_collective_failure: a rank that
+    did not arrive, ranks that called different collectives, or a rank that was lost; the
+    line ends with the checkpoint a rerun resumes from. (On NCCL the watchdog aborts the
+    process first; see prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every
+    process leaves at once with exit code 130. A checkpoint being written was already removed
+    on the way here (save_checkpoint is atomic), and a clean shutdown is not attempted: with
+    the peers gone, releasing DDP's reducer can wait on them for seconds.
     """
     health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
         if dist.get_backend() == "gloo" else None
@@ -808,17 +809,96 @@ def explained_failures(timeout, checkpoint=None):
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
             sys.stderr.flush()
             os._exit(130)
-        if health is None or "timed out" not in str(error).lower():
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
+        if line is None:
             raise
-        try:
-            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
-                                   wait_all_ranks=True)
-            who = "every rank answered afterwards"
-        except RuntimeError as e:
-            who = str(e).strip().splitlines()[0]
-        report_error(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
-                     f"[rank {global_rank()}]")
+        if line:
+            report_error(f"error: {line}; {describe_checkpoint(checkpoint)} [rank {global_rank()}]")
+        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
         raise SystemExit(1) from None
+
+
+def explain_collective_failure(error, health, timeout):
+    """What a failed gloo collective means, as one line; "" where another rank says it; None: not one.
+
+    A timeout: a monitored barrier over the second group `health` (whose connections the failure
+    left open) names the ranks that did not arrive; where every rank answers, none was stuck, so
+    they called different collectives, and each rank's call is gathered. TORCH_DISTRIBUTED_DEBUG
+    =DETAIL's check names both sides itself. A connection reset or closed: a peer was lost; the
+    ranks that still answer through the rendezvous store (which outlives gloo's connections)
+    tell which, and the lowest of them says it.
+    """
+    text, rank = str(error), global_rank()
+    roll_call()
+    sites = "; to see where they parted: TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)"
+    if "Detected mismatch between collectives" in text:  # every rank's check sees it: all gather
+        where = call_sites(error, health)
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+    if "connection reset" in text.lower() or "connection closed" in text.lower():
+        answered = roll_call(min(timeout, 5))
+        lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
+            return ""
+        return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
+                f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
+    if "timed out" not in text.lower():
+        return None
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
+    where = call_sites(error, health)
+    return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
+            f"was lost or frozen: the ranks called different collectives ({where}){sites}") if rank == 0 else ""
+
+
+def mismatch_of(text):
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in
+    Tensor shapes: 4 vs 3` from the text of TORCH_DISTRIBUTED_DEBUG=DETAIL's collective check."""
+    sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
+    described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
+                            for r, _, op, shape, dtype in sides)
+    differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
+    return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
+
+
+def call_sites(error, health=None):
+    """Where this script called the collective that failed: `rank 0 in \`dist.barrier()\` (train.py:80
+    in save)`, the innermost frame of this file; with `health`, every rank's, gathered over it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
+    mine = f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})" \
+        if frames else "an unknown call"
+    every = [mine]
+    if health is not None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=health)
+    ranks = {}
+    for r, site in enumerate(every):
+        ranks.setdefault(site, []).append(str(r if health is not None else global_rank()))
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
+
+
+def roll_call(seconds=0.0):
+    """Answer the roll call through the rendezvous store (it outlives gloo's connections), then return the
+    ranks that have answered within `seconds`: every rank whose collective failed answers at once, so a
+    rank that then exits is not taken for lost. None when the store itself is gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        keys = [f"{prefix}{r}" for r in range(dist.get_world_size())]
+        store.set(keys[global_rank()], "1")
+        if seconds:
+            try:
+                store.wait(keys, timedelta(seconds=seconds))
+            except RuntimeError:  # DistStoreError: a rank that never answers, the one we look for
+                pass
+        return [r for r, key in enumerate(keys) if store.check([key])]
+    except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
+        return None
 
 
 def check_same_on_every_rank(value, what, fix):

@@ -251,6 +251,13 @@ run_comm-hooks() {
             "m['hooks']['powersgd']['compression'] > 10" "abs(m['hooks']['fp16']['loss_gap']) < 0.02"
 }
 
+extra_mode desync "ddp_desync.py: a rank that skips a step alone, fixed by deciding together: same steps on every rank"
+run_desync() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_desync.py" --bug skip-step --fix --metrics m.json \
+        && check_metrics m.json "len(set(m['steps_per_rank'])) == 1" "m['skipped_per_rank'] == [m['bad_batches']] * m['world_size']" \
+           "m['final_loss'] < m['first_loss']"
+}
+
 # ---------------------------------------------------------------- modes beyond one machine (root)
 # two "hosts" on one machine: network namespaces joined by a veth pair (root only)
 NETNS=(ddprun$$h0 ddprun$$h1)

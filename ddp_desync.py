@@ -1,0 +1,1046 @@
+"""A rank that decides alone: the hang that follows, three ways to find it, and the fix.
+
+Scenario: a small MLP (SGD) learns a 10-class problem on 2048 samples split by a
+DistributedSampler, and every `--log_every` steps the ranks reduce a dict of statistics
+for the log line. At step `--bad_step` the last rank's batch holds a NaN, and one rank
+takes a decision from its own data alone (`--bug`):
+
+  skip-step   the NaN guard reads the local loss: that rank skips backward() and the
+              optimizer step, the others do not. DDP's gradient all-reduces then pair
+              step k on one rank with step k+1 on the other, silently, until a
+              collective of another shape meets one of theirs.
+  rank0-only  the log's all-reduce sits under `if rank == 0`: rank 0 calls a collective
+              that no other rank calls.
+  shape       the log's dict has a key only on the rank that saw the NaN: the same
+              all-reduce, 3 numbers on one rank and 2 on the others.
+
+Collectives carry no names: the ranks pair them by order, so the error (if any) comes at a
+later call, and gloo's own message says only `Timed out waiting ... for recv`. Three tools
+name what happened (`--diagnose`, docs/ddp_breaks_hangs.md has what each printed):
+
+  timeout     the default: a collective that waits `--timeout` seconds fails, and a
+              monitored barrier over a second group asks which rank did not arrive.
+  detail      TORCH_DISTRIBUTED_DEBUG=DETAIL: every collective is first checked across
+              the ranks (op, shapes, dtypes); a mismatch fails at once, naming both sides.
+  flight      the flight recorder (TORCH_FR_BUFFER_SIZE): each rank keeps its last
+              collectives; on a failure this script writes every rank's record to
+              --trace_dir, and torch's analyzer names the collective where the ranks
+              parted: `torchfrtrace fr_traces -p rank_`.
+
+`--fix`: the decision is taken by all ranks together (the NaN flag all-reduced with MAX
+before anyone acts on it, the log's reduce called by every rank with the same keys). Every
+rank then takes the same number of optimizer steps (gathered, compared, in the metrics as
+`steps_per_rank`), the skipped steps equal the bad batches, and the replicas agree.
+
+Launch:
+    torchrun --standalone --nproc-per-node=gpu ddp_desync.py --fix                  # every GPU
+    torchrun --standalone --nproc-per-node=2 ddp_desync.py --bug skip-step --timeout 10
+    torchrun --standalone --nproc-per-node=2 ddp_desync.py --bug shape --diagnose detail
+    torchrun --standalone --nproc-per-node=2 ddp_desync.py --bug rank0-only --diagnose flight --timeout 10
+    torchfrtrace fr_traces -p rank_                       # then: where the ranks parted
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_desync.py --device cpu --fix
+    python ddp_desync.py                                  # a one-process world (nothing to pair)
+
+Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file adds a loop
+with a rank-local decision, the three diagnoses, and the agreed decision that fixes it. On
+NCCL the watchdog aborts a timed-out collective and dumps the flight recorder by itself
+(see prepare_rendezvous in the harness); gloo records but dumps only when asked, as here.
+torch 2.7 (the floor) runs all of it except --diagnose flight on gloo: its gloo keeps no record.
+"""
+
+# ---------------------------------------------------------------- imports
+import argparse
+import os
+import pickle
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+FEATURES, CLASSES = 32, 10
+BUGS = ("none", "skip-step", "rank0-only", "shape")
+DIAGNOSES = ("timeout", "detail", "flight")
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=2, metavar="N", help="epochs to train")
+    p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
+                   help="samples per step, per process")
+    p.add_argument("--lr", type=float, default=0.05, metavar="LR", help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data, the shuffles and the initial weights")
+    p.add_argument("--samples", type=int, default=2048, metavar="N", help="size of the data set")
+    p.add_argument("--width", type=int, default=64, metavar="N", help="units per hidden layer")
+    p.add_argument("--bug", choices=BUGS, default="none", help="the decision one rank takes alone at --bad_step")
+    p.add_argument("--fix", action="store_true", help="take that decision on every rank together")
+    p.add_argument("--diagnose", choices=DIAGNOSES, default="timeout",
+                   help="timeout: the collective timeout and a monitored barrier; detail: "
+                        "TORCH_DISTRIBUTED_DEBUG=DETAIL; flight: the flight recorder, written to --trace_dir")
+    p.add_argument("--bad_step", type=int, default=5, metavar="K",
+                   help="the step (counted from 1 over all epochs) whose batch holds a NaN on the last rank")
+    p.add_argument("--log_every", type=int, default=5, metavar="N", help="reduce and print the statistics every N steps")
+    p.add_argument("--trace_dir", default="fr_traces", metavar="DIR",
+                   help="--diagnose flight: each rank writes its record here as rank_<rank>")
+    p.add_argument("--checkpoint", default=None, metavar="PATH", help="write a checkpoint here every epoch")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
+                   help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
+    p.add_argument("--backend", default="auto", metavar="auto|NAME",
+                   help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
+    p.add_argument("--timeout", type=float, default=30, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing")
+    p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Validate the arguments in every process, before it joins the group."""
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "width", "bad_step", "log_every", "timeout")
+    check_folders(args.checkpoint, args.metrics)
+    resolve_device(args)
+    if args.diagnose == "flight" and args.backend == "gloo" and not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
+        fail(f"--diagnose flight: torch {torch.__version__} keeps no flight record for gloo (torch 2.7 records NCCL only)",
+             "use --diagnose detail or timeout, or torch 2.14, whose gloo records")
+    if args.resume and not (args.checkpoint and os.path.exists(args.checkpoint)):
+        fail(f"--resume but no checkpoint at {args.checkpoint}", "pass the --checkpoint PATH an earlier run wrote",
+             every_node=True)  # this machine's files
+    return args
+
+
+def prepare_diagnosis(args):
+    """What a user sets in the environment before launching, set here before the group exists:
+    torch reads both variables when the process group is created."""
+    if args.diagnose == "detail":
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
+    if args.diagnose == "flight":
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # entries kept per rank; 0 (default): off
+        os.makedirs(args.trace_dir, exist_ok=True)
+
+
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group that torchrun describes in the environment; returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
+        device = torch.device(args.device, int(os.environ["LOCAL_RANK"]))
+        torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
+    else:
+        device = torch.device("cpu")
+        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
+
+
+def cleanup():
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- data and model
+def make_loader(device, args):
+    """Points whose class is the largest of 10 fixed random projections, split by a DistributedSampler:
+    every rank gets the same number of batches, so only a decision can part the ranks."""
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.samples, FEATURES, generator=g)
+    dataset = TensorDataset(x, (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(dim=1))
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                      pin_memory=device.type != "cpu")
+
+
+def make_model(width):
+    return nn.Sequential(nn.Linear(FEATURES, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, CLASSES))
+
+
+def build(device, args):
+    """The DDP model, its optimizer and the epoch to start at (from --checkpoint with --resume)."""
+    torch.manual_seed(args.seed)
+    module = make_model(args.width).to(device)
+    optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
+    start = 0
+    if args.resume:
+        state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module)
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["epoch"]
+    model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args))
+    return model, optimizer, start
+
+
+def ddp_group(args):
+    """DDP's process group: the default one, except under --diagnose detail. There torch 2.14 and 2.15 end
+    the process with SIGSEGV in DDP's constructor when its group is checked (TORCH_DISTRIBUTED_DEBUG=DETAIL
+    wraps every group created after it is set; 2.7 does not crash), so DDP gets a group created unchecked:
+    its gradient all-reduces go unchecked, every other collective of the loop is checked."""
+    if args.diagnose != "detail":
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    group = dist.new_group()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    return group
+
+
+# ---------------------------------------------------------------- the decisions: alone (the bugs) and together
+def announce(step, what):
+    """The moment a rank parts from the others, said by that rank (the tests time the error from here)."""
+    say(f"bad step {step}: rank {dist.get_rank()} {what}", sys.stderr)
+
+
+def skip_this_step(loss, step, args):
+    """The NaN guard. Alone, it reads this rank's loss; together, any rank's bad loss skips every rank."""
+    bad = not torch.isfinite(loss).item()
+    if args.bug == "skip-step" and not args.fix:
+        if bad:  # the bug: the other ranks go on to backward() and wait in DDP's all-reduce
+            announce(step, "has a NaN loss and skips backward() and the step alone (--bug skip-step)")
+        return bad
+    flag = torch.tensor([int(bad)], device=loss.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one number per step: the price of deciding together
+    return bool(flag.item())
+
+
+def log_stats(step, stats, counts, args):
+    """Every --log_every steps: the statistics summed over the ranks, printed by rank 0."""
+    if args.bug == "shape" and not args.fix:
+        if counts["bad"]:  # the bug: a key only the rank that saw the NaN has
+            stats = {**stats, "bad_batches": float(counts["bad"])}
+            if not counts["announced"]:
+                counts["announced"] = True
+                announce(step, f"reduces {len(stats)} statistics, the other ranks 2 (--bug shape)")
+    else:  # the fix: the same keys, in the same order, on every rank
+        stats = {**stats, "bad_batches": float(counts["bad"])}
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=counts["device"])
+    if args.bug == "rank0-only" and not args.fix:
+        if dist.get_rank() != 0:  # the bug: only rank 0 logs, and its log is a collective
+            return
+        if step >= args.bad_step and not counts["announced"]:
+            counts["announced"] = True
+            announce(step, "calls the log's all_reduce alone (--bug rank0-only)")
+    dist.all_reduce(values)
+    total = dict(zip(stats, values.tolist()))
+    print0(f"step {step} | loss {total['loss_sum'] / max(total['samples'], 1):.4f} | bad batches so far "
+           f"{int(total.get('bad_batches', 0))} | steps skipped so far {counts['skipped']}")
+
+
+# ---------------------------------------------------------------- train
+def poison(x, step, counts, args):
+    """The last rank's batch of --bad_step holds a NaN: one bad sample, as a corrupt file would give."""
+    if step == args.bad_step and dist.get_rank() == dist.get_world_size() - 1:
+        counts["bad"] += 1
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return x
+
+
+def train_epoch(model, optimizer, loader, epoch, counts, args):
+    """One epoch; returns [loss sum, samples] of the steps this rank took."""
+    totals = torch.zeros(2, dtype=torch.float64, device=counts["device"])
+    window = torch.zeros_like(totals)
+    for i, (x, y) in enumerate(loader):
+        step = epoch * len(loader) + i + 1
+        x, y = x.to(counts["device"]), y.to(counts["device"])
+        loss = F.cross_entropy(model(poison(x, step, counts, args)), y)
+        if skip_this_step(loss, step, args):
+            counts["skipped"] += 1
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            counts["steps"] += 1
+            window += torch.stack([loss.detach().double() * len(y), window.new_tensor(len(y))])
+        if step % args.log_every == 0:
+            log_stats(step, {"loss_sum": window[0].item(), "samples": window[1].item()}, counts, args)
+            totals, window = totals + window, torch.zeros_like(window)
+    return totals + window
+
+
+def dump_trace(args):
+    """--diagnose flight on gloo: torch dumps the flight recorder by itself only on NCCL (on a watchdog
+    timeout), so each rank writes its own here. torch 2.14's gloo record names its groups '' in the
+    group table, and torchfrtrace then stops with KeyError: ('0', 0) (docs/ddp_breaks_hangs.md): the
+    table is rebuilt from the names the entries carry, every group here spanning all ranks."""
+    c10d = torch._C._distributed_c10d
+    trace = pickle.loads((getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace)())  # NCCL's name before
+    ranks = str(list(range(dist.get_world_size())))
+    if "" in trace["pg_config"]:
+        trace["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks}
+                              for name, desc in {tuple(e["process_group"]) for e in trace["entries"]}}
+    path = os.path.join(args.trace_dir, f"rank_{dist.get_rank()}")
+    atomic_write(path, lambda f: pickle.dump(trace, f))
+    print0(f"flight recorder: each rank's last collectives in {args.trace_dir}/rank_<rank>; "
+           f"see where the ranks parted: torchfrtrace {args.trace_dir} -p rank_")
+
+
+def train(model, optimizer, loader, start_epoch, counts, args):
+    """The epochs; returns the global mean loss of each."""
+    losses = []
+    for epoch in range(start_epoch, args.epochs):
+        loader.sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        try:
+            totals = train_epoch(model, optimizer, loader, epoch, counts, args)
+        except RuntimeError:
+            if args.diagnose == "flight":
+                dump_trace(args)
+            raise  # the harness's explained_failures makes it one line
+        dist.all_reduce(totals)  # [sum, count] over every rank: the global mean, not rank 0's own
+        losses.append((totals[0] / totals[1]).item())
+        saved = save(model, optimizer, epoch + 1, args)
+        print0(f"epoch {epoch + 1}/{args.epochs} | loss {losses[-1]:.4f} | {time.perf_counter() - start:.2f} s"
+               + (f" | checkpoint {args.checkpoint}" if saved else ""))
+    return losses
+
+
+def save(model, optimizer, epoch, args):
+    """Rank 0 writes model and optimizer state; True when a checkpoint was written."""
+    if not args.checkpoint:
+        return False
+    if dist.get_rank() == 0:
+        save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "epoch": epoch}, args.checkpoint)
+    dist.barrier()  # every rank passes it: nobody reads the checkpoint before it is complete
+    return True
+
+
+# ---------------------------------------------------------------- report
+def gather_counts(counts):
+    """[steps, skipped, bad batches] of every rank: what each rank did, compared on rank 0."""
+    mine = torch.tensor([counts["steps"], counts["skipped"], counts["bad"]], device=counts["device"])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return torch.stack(every).tolist()
+
+
+def report(losses, every, elapsed, resumed_from, in_sync, counts, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+    steps, skipped, bad = [list(column) for column in zip(*every)]
+    same = len(set(steps)) == 1 and len(set(skipped)) == 1 and skipped[0] == sum(bad)
+    losses = losses or [float("nan")]
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": counts["device"].type, "torch": torch.__version__, "epochs": args.epochs,
+        "steps": counts["steps"], "steps_per_epoch": counts["steps_per_epoch"], "batch_size": args.batch_size,
+        "elapsed_s": elapsed, "samples_per_s": sum(steps) * args.batch_size / elapsed if elapsed else 0.0,
+        "first_loss": losses[0], "final_loss": losses[-1], "losses": losses, "replicas_in_sync": in_sync,
+        "resumed_from_epoch": resumed_from, "bug": args.bug, "fix": args.fix, "diagnose": args.diagnose,
+        "bad_step": args.bad_step, "steps_per_rank": steps, "skipped_per_rank": skipped,
+        "bad_batches": sum(bad), "same_steps_on_every_rank": same,
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    print0(f"steps per rank: {steps} | skipped per rank: {skipped} | bad batches: {sum(bad)}"
+           f" | {'the same on every rank' if same else 'RANKS DIFFER'}")
+    print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
+           f"torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | {args.epochs} epochs | "
+           f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+    return same
+
+
+# ---------------------------------------------------------------- main
+def run(device, args):
+    loader = make_loader(device, args)
+    model, optimizer, resumed_from = build(device, args)
+    counts = {"device": device, "steps": 0, "skipped": 0, "bad": 0, "announced": False,
+              "steps_per_epoch": len(loader)}
+    print0(f"--bug {args.bug}{' --fix' if args.fix else ''} | --diagnose {args.diagnose} | {len(loader)} steps "
+           f"per epoch | a NaN on rank {dist.get_world_size() - 1} at step {args.bad_step}")
+    start = time.perf_counter()
+    losses = train(model, optimizer, loader, resumed_from, counts, args)
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(model.module, device)
+    same = report(losses, gather_counts(counts), elapsed, resumed_from, in_sync, counts, args)
+    return in_sync and same
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    prepare_diagnosis(args)
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, args.checkpoint):
+            ok = run(device, args)
+    finally:
+        cleanup()
+    if not ok:
+        sys.exit(1)  # ranks that took different numbers of steps, or replicas that differ
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False, every_node=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its device) is said by this process. `every_node`: what
+    one machine sees (its files) is said there once, by its LOCAL_RANK 0, so a node that
+    lacks a file says so itself and a single machine still prints one line.
+    """
+    rank = global_rank()
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
+    if rank == 0 or every_rank or (every_node and first_on_node):
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def report_error(line):
+    """Say `line` on stderr and, under torchrun, hand it to torchrun as this worker's error (the file
+    named by TORCHELASTIC_ERROR_FILE, in the format torch.distributed.elastic's @record writes): its
+    report then shows our line as the root cause instead of `To enable traceback see: ...`.
+
+    torchrun names as root cause the failure with the earliest timestamp, in whole seconds, and on a
+    tie the lowest local rank. A peer ended by our exit is stamped when torchrun notices, often in the
+    same second, so ours is stamped one second earlier: the rank that found the problem comes first.
+    """
+    say(line, sys.stderr)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        stamp = str(int(time.time()) - 1)
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def refuse_launcher_flags(argv=None):
+    """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
+    one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
+    script = os.path.basename(__file__)
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {arg} {script} ...")
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+def device_plan(kind, backend="auto", bf16=False):
+    """The device choice as a pure function of the device type, so that a CPU can test every type.
+
+    kind: "cpu", or the accelerator type torch reports (cuda, xpu, hpu, npu, mps, ...); each
+    process then takes the device of its LOCAL_RANK (torch.accelerator.set_device_index).
+    backend "auto": torch's default for the type (get_default_backend_for_device: nccl on cuda,
+    xccl on xpu, gloo on cpu; hccl on hpu and npu once their plugins have registered it); a
+    backend fits when torch's Backend.backend_capability lists the type. bf16: the device
+    computes bfloat16 natively. Returns {"backend", "amp": what --amp auto means there,
+    "problem": (what, fix) when no job can run so, else None}.
+    """
+    amp = "bf16" if bf16 else "off" if kind == "cpu" else "fp16"  # fp16 with a GradScaler; slow on CPUs
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    chosen = default if backend == "auto" else backend
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    problem = None
+    if chosen is not None and chosen not in carries:
+        problem = (f"unknown backend {chosen!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    elif chosen is not None and kind in carries[chosen]:
+        pass
+    elif default is not None and kind in carries[default]:
+        problem = (f"--backend {chosen} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+                   f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    else:
+        problem = (f"torch has no multi-process backend for {kind}",
+                   f"use --device cpu, or install the package that adds {kind} to torch")
+    return {"backend": chosen, "amp": amp, "problem": problem}
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete: torch.accelerator's device, else the CPU, and the
+    device's default backend. A device the machine lacks, or a backend that does not fit it, is one
+    error line. (LOCAL_RANK is checked once the launcher's values are complete: prepare_rendezvous.)"""
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    here = found.type if found is not None else "cpu"
+    args.device = here if args.device == "auto" else args.device
+    if args.device not in ("cpu", here):
+        fail(f"--device {args.device} but " + (f"this machine's accelerator is {here}" if found else
+                                                "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if args.device == "cuda" else " or auto"))
+    plan = device_plan(args.device, args.backend)
+    if plan["problem"]:
+        fail(*plan["problem"])
+    args.backend = plan["backend"]
+    return args
+
+
+def bf16_supported(device, emulated=False):
+    """Whether this process's device computes in bfloat16; ask after set_device_index, it asks the
+    current device. Emulated bf16 (CUDA before Ampere) is slower than fp16 with a GradScaler, so it
+    counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
+    plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
+    if device.type == "cpu":
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is None:  # a module without the check: torch's own autocast default for the type
+        return torch.get_autocast_dtype(device.type) == torch.bfloat16
+    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
+        return bool(check(including_emulation=emulated))
+    return bool(check())
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks this process's device, so it must be one of this machine's `count` devices.
+    named: the launcher set LOCAL_RANK; a hand-made launch that did not is taken to run every rank
+    on this machine (LOCAL_RANK = RANK), which a second machine cannot hold."""
+    if device == "cpu":
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    count = torch.accelerator.device_count() if count is None else count
+    if local_rank < count:
+        return
+    if not named:
+        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
+         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely.
+
+    SO_REUSEADDR, as the TCPStore that will listen there binds: a port that a finished run left
+    in TIME_WAIT (for about a minute) is free for it, while one that something listens on is not.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)  # the values this process will use, filled in
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
+        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
+        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Watch for Ctrl-C in this process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the `interrupted` line is still printed; a process whose SIGINT was ignored when
+    it started (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    where = where_checkpoint_is(state)
+    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote the checkpoint `state` got ('' if it does not say)."""
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"{unit} {state[key]}"
+    return ""
+
+
+def continue_checkpoint(path, resume):
+    """Whether this run continues from checkpoint `path`. Asked (--resume): yes, and a missing file is
+    one error line. Unasked: only this job's own checkpoint (resumes_this_job: torchrun restarted the
+    job, or a node joined or left). Any other file there is neither continued nor overwritten without a
+    word: one error line says what it holds, which run wrote it, and the ways on."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    if resume or resumes_this_job(path):
+        return True
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        job = state.get("job")
+        found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+                 + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
+                    else f"torchrun job {job}")
+                 + f" at world size {state.get('world_size', '?')}")
+    except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
+        found = "a file that is not a checkpoint this script can read"
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the ways a job ends early into one line each.
+
+    A collective that failed (gloo) is explained by explain_collective_failure: a rank that
+    did not arrive, ranks that called different collectives, or a rank that was lost; the
+    line ends with the checkpoint a rerun resumes from. (On NCCL the watchdog aborts the
+    process first; see prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every
+    process leaves at once with exit code 130. A checkpoint being written was already removed
+    on the way here (save_checkpoint is atomic), and a clean shutdown is not attempted: with
+    the peers gone, releasing DDP's reducer can wait on them for seconds.
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            sys.stderr.flush()
+            os._exit(130)
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
+        if line is None:
+            raise
+        if line:
+            report_error(f"error: {line}; {describe_checkpoint(checkpoint)} [rank {global_rank()}]")
+        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
+        raise SystemExit(1) from None
+
+
+def explain_collective_failure(error, health, timeout):
+    """What a failed gloo collective means, as one line; "" where another rank says it; None: not one.
+
+    A timeout: a monitored barrier over the second group `health` (whose connections the failure
+    left open) names the ranks that did not arrive; where every rank answers, none was stuck, so
+    they called different collectives, and each rank's call is gathered. TORCH_DISTRIBUTED_DEBUG
+    =DETAIL's check names both sides itself. A connection reset or closed: a peer was lost; the
+    ranks that still answer through the rendezvous store (which outlives gloo's connections)
+    tell which, and the lowest of them says it.
+    """
+    text, rank = str(error), global_rank()
+    roll_call()
+    sites = "; to see where they parted: TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)"
+    if "Detected mismatch between collectives" in text:  # every rank's check sees it: all gather
+        where = call_sites(error, health)
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+    if "connection reset" in text.lower() or "connection closed" in text.lower():
+        answered = roll_call(min(timeout, 5))
+        lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
+            return ""
+        return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
+                f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
+    if "timed out" not in text.lower():
+        return None
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
+    where = call_sites(error, health)
+    return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
+            f"was lost or frozen: the ranks called different collectives ({where}){sites}") if rank == 0 else ""
+
+
+def mismatch_of(text):
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in
+    Tensor shapes: 4 vs 3` from the text of TORCH_DISTRIBUTED_DEBUG=DETAIL's collective check."""
+    sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
+    described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
+                            for r, _, op, shape, dtype in sides)
+    differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
+    return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
+
+
+def call_sites(error, health=None):
+    """Where this script called the collective that failed: `rank 0 in \`dist.barrier()\` (train.py:80
+    in save)`, the innermost frame of this file; with `health`, every rank's, gathered over it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
+    mine = f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})" \
+        if frames else "an unknown call"
+    every = [mine]
+    if health is not None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=health)
+    ranks = {}
+    for r, site in enumerate(every):
+        ranks.setdefault(site, []).append(str(r if health is not None else global_rank()))
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
+
+
+def roll_call(seconds=0.0):
+    """Answer the roll call through the rendezvous store (it outlives gloo's connections), then return the
+    ranks that have answered within `seconds`: every rank whose collective failed answers at once, so a
+    rank that then exits is not taken for lost. None when the store itself is gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        keys = [f"{prefix}{r}" for r in range(dist.get_world_size())]
+        store.set(keys[global_rank()], "1")
+        if seconds:
+            try:
+                store.wait(keys, timedelta(seconds=seconds))
+            except RuntimeError:  # DistStoreError: a rank that never answers, the one we look for
+                pass
+        return [r for r, key in enumerate(keys) if store.check([key])]
+    except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
+        return None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    # a backend that carries only accelerator tensors (nccl, xccl, hccl) gathers on this process's device
+    on_cpu = "cpu" in dist.Backend.backend_capability.get(dist.get_backend(), ["cpu"])
+    device = None if on_cpu else torch.device(torch.accelerator.current_accelerator().type,
+                                              torch.accelerator.current_device_index())
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """True when every rank's parameters equal rank 0's, bit for bit.
+
+    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
+    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
+    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
+    weighted sum of its parameters) only lets a reader tell runs apart.
+    """
+    same = True
+    for p in model.parameters():
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, src=0)
+        same = same and torch.equal(theirs, p.detach())
+    verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
+    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
+             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
+    job moved to fewer GPUs): what changes with the world and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
+
+
+def resumes_this_job(path):
+    """Whether this torchrun worker should continue from checkpoint `path` without --resume.
+
+    torchrun starts a job's workers anew after a failure (--max-restarts) and whenever a node
+    joins or leaves (--nnodes=MIN:MAX). TORCHELASTIC_RESTART_COUNT counts failures only, on the
+    nodes that saw them: a node that joins, and every node after a membership change, start
+    at 0. The job itself is named by torchrun's --rdzv-id (TORCHELASTIC_RUN_ID; a fresh id for
+    each --standalone launch), which save_checkpoint stamps into every checkpoint: this job's
+    checkpoint is continued on every node, an earlier job's is not. Without --rdzv-id (the id
+    is "none") only a restart count above 0 can tell.
+    """
+    if not os.path.isfile(path):
+        return False
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:  # mmap: only the small "job" entry is read from disk
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
+    except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
+        return False
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank, said on each machine whose copy has it.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh", every_node=True)
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
+             every_node=True)
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it", every_node=True)
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                     every_node=True)
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} {how_it_ended(e)}", sys.stderr)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+
+
+def how_it_ended(exited):
+    """`was ended by SIGABRT (exit code -6)`, or `exited with code 3`: torch names the signal."""
+    if exited.signal_name:
+        return f"was ended by {exited.signal_name} (exit code {exited.exit_code})"
+    return f"exited with code {exited.exit_code}"
+# ---- end of harness ----
+
+
+if __name__ == "__main__":
+    main()
