@@ -433,7 +433,7 @@ def largest_difference(a, b):
 
 
 def print_table(table):
-    print0(f"{'copy':<18}{'bytes/step':>12}{'step (median)':>15}{"  vs " + next(iter(table)):>16}{'final loss':>12}"
+    print0(f"{'copy':<18}{'bytes/step':>12}{'step (median)':>15}{'vs ' + next(iter(table)):>16}{'final loss':>12}"
            f"  spare unchanged | DDP's logging data")
     for name, t in table.items():
         print0(f"{name:<18}{t['bytes_per_step']:>12,}{t['step_time_s'] * 1e3:>12.2f} ms{t['vs_first']:>15.2f}x"
