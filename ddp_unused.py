@@ -32,10 +32,11 @@ batches, unless it reproduces an error):
                   find_unused_parameters raises "Expected to mark a variable ready only once";
                   use_reentrant=False, or reentrant with static_graph, trains
     two-forwards  a GAN step: a discriminator with BatchNorm run on real and on fake data, one
-                  backward. Under DDP's default buffer sync torch 2.6 to 2.12 raise "one of the
-                  variables needed for gradient computation has been modified by an inplace
-                  operation" (pytorch#175024; fixed for 2.13 by pytorch#175851); the fix
-                  (no buffer sync before every forward, one broadcast at the end) trains anywhere
+                  backward. Under DDP's default buffer sync torch 2.7 raises "one of the variables
+                  needed for gradient computation has been modified by an inplace operation"
+                  (pytorch#175024, from 2.6 on); torch 2.14 does not (pytorch#175851), but each
+                  rank's BatchNorm statistics still end different. The fix (no buffer sync before
+                  every forward, one broadcast at the end) trains on both
 
 Measured (2 CPU processes, gloo, defaults, torch 2.14.1, machine under load): see
 docs/ddp_breaks_unused.md for the step times and bytes; the tests assert the exact ones.
@@ -270,6 +271,8 @@ def gathered(error):
     """`rank 0: ...; rank 1: ...`: what each rank's error says, or `no error`; every rank calls it."""
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, named_in(error) if error else None)
+    if len(set(every)) == 1 and every[0]:
+        return f"every rank: {every[0]}", every
     return "; ".join(f"rank {r}: {said or 'no error'}" for r, said in enumerate(every)), every
 
 
@@ -364,7 +367,8 @@ def report_reproduction(name, reproduce, initial, batches, device, explanation):
     elif error is None:
         print0(f"{name}: no error in torch {torch.__version__} ({said})")
     else:
-        print0(f'{name}: reproduced {when}: "{first_words(error)}" | {said} | {explanation}')
+        named = "" if set(every) == {first_words(error)} else f" | {said}"  # not the same sentence twice
+        print0(f'{name}: reproduced {when}: "{first_words(error)}"{named} | {explanation}')
     return {"error": first_words(error) if error else None, "per_rank": every}
 
 
@@ -513,8 +517,8 @@ def run_two_forwards(loader, device, args):
     said, every = gathered(error)
     release_ddp()
     if error:
-        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" | {said} | '
-               f"torch 2.6 to 2.12 (pytorch#175024): pass {next(iter(NO_FORWARD_SYNC))}=False")
+        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" ({said.split(":")[0]}) | '
+               f"torch {torch.__version__} (pytorch#175024, fixed by pytorch#175851): pass {next(iter(NO_FORWARD_SYNC))}=False")
     else:
         print0(f"default buffer sync: no error in torch {torch.__version__} (DDP keeps the buffers' version "
                f"counters across its broadcast since pytorch#175851); BatchNorm statistics agree across ranks "
