@@ -41,6 +41,7 @@ replica check, checkpoint files) is the harness block at the end of the file.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import inspect
 import math
 import os
 import re
@@ -396,10 +397,20 @@ def sync_buffers(model):
     """Give every rank rank 0's BatchNorm statistics, the ones saved.
 
     Without SyncBatchNorm (the CPU) each rank's statistics follow its own batches, and
-    DDP was told not to broadcast them every step (broadcast_buffers=False in train).
+    DDP was told not to broadcast them every step (no_buffer_broadcast).
     """
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def no_buffer_broadcast():
+    """DDP's option for no buffer broadcast before every forward: forward_sync_buffers=False from torch
+    2.13, which deprecates broadcast_buffers=False (a FutureWarning from every rank); older torch knows
+    only broadcast_buffers. (The new flag still broadcasts the buffers once, when DDP is built: the
+    same values here, every rank's model being built from one seed or one checkpoint.)"""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def write_checkpoint(model, optimizer, scaler, epoch, args):
@@ -466,12 +477,12 @@ def train(device, args):
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 
     # built before the clock starts: DDP's constructor waits for the slowest rank to arrive.
-    # broadcast_buffers=False: by default DDP broadcasts rank 0's BatchNorm statistics before every
+    # no_buffer_broadcast(): by default DDP broadcasts rank 0's BatchNorm statistics before every
     # forward, one more collective per step. Not needed here: SyncBatchNorm keeps them equal on GPUs;
     # on CPU rank 0's (the ones saved) come from rank 0's batches either way, and sync_buffers()
     # hands them to every rank before evaluation.
     ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
-                                         broadcast_buffers=False)
+                                         **no_buffer_broadcast())
     start = time.perf_counter()
     history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
     elapsed = time.perf_counter() - start

@@ -447,10 +447,12 @@ def print_table(table):
 
 # ---------------------------------------------------------------- two forwards through BatchNorm (a GAN step)
 NOISE = 16
-# no buffer broadcast before every forward: forward_sync_buffers=False from torch 2.13, which deprecates
-# broadcast_buffers=False (2.7 to 2.12 know only that one; the new flag still syncs buffers at init)
-NO_FORWARD_SYNC = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-    else {"broadcast_buffers": False}
+def no_buffer_broadcast():
+    """DDP's option for no buffer broadcast before every forward: forward_sync_buffers=False from torch
+    2.13, which deprecates broadcast_buffers=False; older torch knows only broadcast_buffers."""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def gan(width):
@@ -518,21 +520,21 @@ def run_two_forwards(loader, device, args):
     release_ddp()
     if error:
         print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" ({said.split(":")[0]}) | '
-               f"torch {torch.__version__} (pytorch#175024, fixed by pytorch#175851): pass {next(iter(NO_FORWARD_SYNC))}=False")
+               f"torch {torch.__version__} (pytorch#175024, fixed by pytorch#175851): pass {next(iter(no_buffer_broadcast()))}=False")
     else:
         print0(f"default buffer sync: no error in torch {torch.__version__} (DDP keeps the buffers' version "
                f"counters across its broadcast since pytorch#175851); BatchNorm statistics agree across ranks "
                f"after training: {'yes' if buffers_agree(default) else 'no (each forward updates them after the broadcast)'}")
-    fixed, curve = train_gan(initial, loader, device, args, **NO_FORWARD_SYNC)
+    fixed, curve = train_gan(initial, loader, device, args, **no_buffer_broadcast())
     diverged = not buffers_agree(fixed)
     for buffer in fixed.buffers():  # rank 0's statistics for everyone, once, before they are used or saved
         dist.broadcast(buffer, src=0)
-    print0(f"{next(iter(NO_FORWARD_SYNC))}=False: trained; discriminator loss "
+    print0(f"{next(iter(no_buffer_broadcast()))}=False: trained; discriminator loss "
            + " -> ".join(f"{v:.4f}" for v in curve) + f" | BatchNorm statistics differed across ranks before the "
            f"final broadcast: {'yes' if diverged else 'no'}, after it agree: {'yes' if buffers_agree(fixed) else 'NO'}")
     return fixed, curve, {"default_sync_error": first_words(error) if error else None, "per_rank": every,
                           "buffers_differed_before_broadcast": diverged, "buffers_agree": buffers_agree(fixed),
-                          "sync_option": NO_FORWARD_SYNC}
+                          "sync_option": no_buffer_broadcast()}
 
 
 # ---------------------------------------------------------------- main
