@@ -586,6 +586,15 @@ def autocast(amp, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
+def step_seed(seed, rank, step):
+    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
+    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
+    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
+    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
+    and DDP broadcasts rank 0's anyway: the replicas start identical."""
+    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
+
+
 def train_step(model, optimizer, scaler, micro_batches, amp, clip, step_tokens=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens) on the device.
 
@@ -817,6 +826,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.schedule, self.args)
         step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
+        torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
         loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
                                       self.args.clip, step_tokens)
         self.step, self.steps = self.step + 1, self.steps + 1
