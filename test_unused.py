@@ -207,7 +207,7 @@ def masks_and_weights(rank, world, port, queue):
     torch.manual_seed(ddp_transformer.step_seed(0, rank, 0))
     ddp(x).float().mean().backward()
     optimizer.step()
-    queue.put((rank, mask, [p.detach().clone() for p in model.parameters()]))
+    queue.put((rank, mask.tolist(), [p.detach().tolist() for p in model.parameters()]))  # plain data: no shared memory
     del ddp
     dist.destroy_process_group()
 
@@ -224,5 +224,5 @@ def test_transformer_dropout_masks_differ_across_ranks_and_replicas_agree():
     got = dict((rank, (mask, weights)) for rank, mask, weights in (queue.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(30)
-    assert not torch.equal(got[0][0], got[1][0]), "every rank drew the same dropout mask"
-    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1])), "the replicas differ after a step"
+    assert got[0][0] != got[1][0], "every rank drew the same dropout mask"
+    assert got[0][1] == got[1][1], "the replicas differ after a step"
