@@ -254,11 +254,16 @@ def mnist_available(root):
 
 
 def choose_dataset(args, device):
-    """'mnist' or 'synthetic'. Only global rank 0 looks for (and downloads) MNIST; the rest wait for its answer."""
+    """'mnist' or 'synthetic'. Global rank 0 looks for (and downloads) MNIST while the rest wait; then the
+    first process of every other machine looks in its own --data: MNIST only if every machine has it
+    (rank 0's answer alone would send a machine without the files into torchvision's "Dataset not found")."""
     found = torch.zeros(1, dtype=torch.long, device=device)
     if dist.get_rank() == 0 and args.dataset != "synthetic":
         found[0] = int(mnist_available(args.data))
     dist.broadcast(found, src=0)  # the barrier: nobody reads the folder before rank 0 has filled it
+    if found.item() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        found[0] = int(mnist_available(args.data))  # a shared file system: there already, no download
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
     if found.item():
         return "mnist"
     if args.dataset == "mnist":
@@ -430,9 +435,6 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args):
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}: a switch to fp16 starts afresh
         scaler.load_state_dict(checkpoint["scaler"])
-    # a rank that read another file (not on a shared file system) would train other epochs
-    check_same_on_every_rank(checkpoint["epoch"], "checkpoint epochs",
-                             f"put {args.checkpoint} on a file system every node sees")
     if not args.evaluate:  # one line, if the world size changed
         note_world_change(checkpoint, len(train_loader), args.batch_size)
     trained_on = checkpoint["args"].get("dataset")
@@ -472,6 +474,10 @@ def train(device, args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
     from_checkpoint = args.resume or args.evaluate
     start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if from_checkpoint else 0
+    # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
+    # restart) or another one would train other epochs, and would skip a collective only resumers reached
+    check_same_on_every_rank(start_epoch, "checkpoint epochs (0: none found)",
+                             f"put {args.checkpoint} on a file system every node sees")
     print0(f"world {dist.get_world_size()} x {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | {args.epochs} epochs")
 

@@ -369,6 +369,8 @@ def run(device, args):
     dataset = make_dataset(args.samples, args.seed)
     loader = make_loader(dataset, device, args)
     model, optimizer, resumed_from = build(device, loader, args)
+    # nodes that read their own --checkpoint (not a shared file system) could resume other epochs
+    check_same_on_every_rank(resumed_from, "checkpoint epochs", "put --checkpoint on a file system every node sees")
     start = time.perf_counter()
     history, batches = train(model, optimizer, loader, resumed_from, device, args)
     elapsed = time.perf_counter() - start
