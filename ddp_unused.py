@@ -344,7 +344,7 @@ def reproduce_freeze_one_rank(initial, batches, device):
         wrap(module, device)
     except RuntimeError as error:
         return error, "when DDP was built"
-    return None, "when DDP was built"
+    return None, "when DDP was built" + (" (a world of one has no rank 1)" if dist.get_world_size() == 1 else "")
 
 
 def reproduce_checkpoint_reentrant(initial, batches, device):
@@ -365,7 +365,7 @@ def report_reproduction(name, reproduce, initial, batches, device, explanation):
     if explanation is FIXES:
         pass
     elif error is None:
-        print0(f"{name}: no error in torch {torch.__version__} ({said})")
+        print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
     else:
         named = "" if set(every) == {first_words(error)} else f" | {said}"  # not the same sentence twice
         print0(f'{name}: reproduced {when}: "{first_words(error)}"{named} | {explanation}')
@@ -507,10 +507,8 @@ def buffers_agree(module):
     return bool(same.item())
 
 
-def run_two_forwards(loader, device, args):
-    """The default buffer sync (its error where torch raises one), then the fix; returns the summary."""
-    initial = gan(args.width)
-    torch.manual_seed(args.seed + dist.get_rank())  # the generator's noise: its own on every rank
+def try_default_sync(initial, loader, device, args):
+    """Train under DDP's default buffer sync; one line: its error where torch raises one, else what it leaves."""
     default, error = None, None
     try:
         default, _ = train_gan(initial, loader, device, args)
@@ -518,23 +516,34 @@ def run_two_forwards(loader, device, args):
         error = e
     said, every = gathered(error)
     release_ddp()
+    flag = next(iter(no_buffer_broadcast()))
     if error:
-        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" ({said.split(":")[0]}) | '
-               f"torch {torch.__version__} (pytorch#175024, fixed by pytorch#175851): pass {next(iter(no_buffer_broadcast()))}=False")
+        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" '
+               f"({said.split(':')[0]}) | torch {torch.__version__} (pytorch#175024, fixed by "
+               f"pytorch#175851): pass {flag}=False")
     else:
+        agree = "yes" if buffers_agree(default) else "no (each forward updates them after the broadcast)"
         print0(f"default buffer sync: no error in torch {torch.__version__} (DDP keeps the buffers' version "
                f"counters across its broadcast since pytorch#175851); BatchNorm statistics agree across ranks "
-               f"after training: {'yes' if buffers_agree(default) else 'no (each forward updates them after the broadcast)'}")
+               f"after training: {agree}")
+    return {"default_sync_error": first_words(error) if error else None, "per_rank": every}
+
+
+def run_two_forwards(loader, device, args):
+    """The default buffer sync (its error where torch raises one), then the fix; returns the summary."""
+    initial = gan(args.width)
+    torch.manual_seed(args.seed + dist.get_rank())  # the generator's noise: its own on every rank
+    found = try_default_sync(initial, loader, device, args)
     fixed, curve = train_gan(initial, loader, device, args, **no_buffer_broadcast())
     diverged = not buffers_agree(fixed)
     for buffer in fixed.buffers():  # rank 0's statistics for everyone, once, before they are used or saved
         dist.broadcast(buffer, src=0)
+    agree = buffers_agree(fixed)
     print0(f"{next(iter(no_buffer_broadcast()))}=False: trained; discriminator loss "
            + " -> ".join(f"{v:.4f}" for v in curve) + f" | BatchNorm statistics differed across ranks before the "
-           f"final broadcast: {'yes' if diverged else 'no'}, after it agree: {'yes' if buffers_agree(fixed) else 'NO'}")
-    return fixed, curve, {"default_sync_error": first_words(error) if error else None, "per_rank": every,
-                          "buffers_differed_before_broadcast": diverged, "buffers_agree": buffers_agree(fixed),
-                          "sync_option": no_buffer_broadcast()}
+           f"final broadcast: {'yes' if diverged else 'no'}, after it agree: {'yes' if agree else 'NO'}")
+    return fixed, curve, {**found, "buffers_differed_before_broadcast": diverged, "buffers_agree": agree,
+                          "sync_option": no_buffer_broadcast(), "checks": {"buffers_agree": agree}}
 
 
 # ---------------------------------------------------------------- main
@@ -571,9 +580,9 @@ def mode_checks(copies, table, args):
 def train_mode(initial, loader, device, args):
     """Train the mode's copies side by side; returns (modules, curve of the last copy, extra metrics)."""
     copies = [Copy(name, initial, device, args, configure, **options) for name, configure, options in PLANS[args.mode]]
+    tasks = ", ".join(f"rank {r} {task_of(r)}" for r in range(dist.get_world_size()))
     print0(f"{len(copies)} copies of a model with {sum(p.numel() for p in initial.parameters()):,} parameters, "
-           f"{len(loader)} steps per epoch, task per rank: " + ", ".join(
-               f"rank {r} {task_of(r)}" for r in range(dist.get_world_size())) + f" | {', '.join(c.name for c in copies)}")
+           f"{len(loader)} steps per epoch, task per rank: {tasks} | {', '.join(c.name for c in copies)}")
     curves = train(copies, loader, device, args)
     table = measure(copies, curves)
     print_table(table)
