@@ -7,6 +7,7 @@ find-unused and static-graph side by side); every other mode is in the slow tier
 check reads the session's one `bash run.sh` (conftest.py's run_sh): no launch of its own.
 """
 import re
+import subprocess
 import sys
 import time
 import warnings
@@ -21,7 +22,7 @@ import ddp_main
 import ddp_main_torchrun
 import ddp_transformer
 import ddp_unused
-from conftest import ROOT, cpu_env, read_metrics, run_bounded, torchrun_cmd
+from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, torchrun_cmd
 
 pytestmark = pytest.mark.xdist_group("unused")  # one test process: the shared launch runs once
 
@@ -226,3 +227,31 @@ def test_transformer_dropout_masks_differ_across_ranks_and_replicas_agree():
         p.join(30)
     assert got[0][0] != got[1][0], "every rank drew the same dropout mask"
     assert got[0][1] == got[1][1], "the replicas differ after a step"
+
+
+@pytest.mark.slow
+def test_main_torchrun_ranks_that_disagree_on_resuming_end_with_one_line(tmp_path):
+    """After a torchrun restart each rank resumes if it finds the checkpoint. With node-local paths only
+    some find it: before the fix only those reached the epoch check's all_gather, and the others' next
+    collective (DDP's construction) was paired with it. Now every rank compares: one line, exit 2."""
+    small = ["--device", "cpu", "--train_samples", "300", "--test_samples", "100"]
+    run_bounded([sys.executable, ROOT / "ddp_main_torchrun.py", "-e", "1", "--checkpoint", "a.pt", *small],
+                tmp_path, timeout=180)
+    port = ddp_unused.free_port()
+    procs = []
+    for rank, path in ((0, "a.pt"), (1, "missing.pt")):  # rank 1's "node" has no checkpoint
+        env = cpu_env(RANK=rank, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                      TORCHELASTIC_RUN_ID="none", TORCHELASTIC_RESTART_COUNT=1)
+        procs.append(subprocess.Popen([sys.executable, ROOT / "ddp_main_torchrun.py", "-e", "2",
+                                       "--checkpoint", path, *small], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+    try:
+        outputs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    codes = [p.returncode for p in procs]
+    stderr = outputs[0][1] + outputs[1][1]
+    assert codes == [2, 2], (codes, stderr[-3000:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and "checkpoint epochs (0: none found) differ: [1, 0]" in errors[0], stderr[-3000:]
