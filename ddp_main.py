@@ -340,8 +340,12 @@ def amp_choice(choice, device):
     if choice != "auto":
         return choice
     # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA), or
-    # the CPU's bf16 instructions: bf16 if so, else fp16 on an accelerator and off on the CPU
-    return device_plan(device.type, bf16=bf16_supported(device))["amp"]
+    # the CPU's bf16 instructions: bf16 if so, else fp16 on an accelerator and off on the CPU. Agreed
+    # by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients scaled by
+    # its GradScaler, to be averaged with another rank's unscaled bf16 ones
+    native = torch.tensor([int(bf16_supported(device))], device=device)
+    dist.all_reduce(native, op=dist.ReduceOp.MIN)
+    return device_plan(device.type, bf16=bool(native.item()))["amp"]
 
 
 def autocast(device, amp):

@@ -247,11 +247,11 @@ def setup(args):
     else:
         device = torch.device("cpu")
         use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
+    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     return device
 
 
@@ -266,7 +266,11 @@ def resolve_amp(amp, device):
     if amp == "auto":
         # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
         # on CUDA): before Ampere bf16 is emulated, slower than fp16 with a scaler
-        return device_plan(device.type, bf16=bf16_supported(device))["amp"]
+        # agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients
+        # scaled by its GradScaler, to be averaged with another rank's unscaled bf16 ones
+        native = torch.tensor([int(bf16_supported(device))], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        return device_plan(device.type, bf16=bool(native.item()))["amp"]
     if amp == "bf16" and not bf16_supported(device, emulated=True):
         fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
     return amp
