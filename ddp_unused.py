@@ -38,8 +38,11 @@ batches, unless it reproduces an error):
                   rank's BatchNorm statistics still end different. The fix (no buffer sync before
                   every forward, one broadcast at the end) trains on both
 
-Measured (2 CPU processes, gloo, defaults, torch 2.14.1, machine under load): see
-docs/ddp_breaks_unused.md for the step times and bytes; the tests assert the exact ones.
+Measured (2 CPU processes, gloo, defaults, torch 2.14.1, a loaded 2-core machine, medians of 3
+runs of --mode static-graph --epochs 6): all-used 10.0 ms a step, find-unused 11.6 ms (1.08x),
+static-graph 9.5 ms (0.95x), noisy; find-unused and static-graph end bit for bit equal. Every
+copy all-reduces 590,968 bytes a step (the unused parameters as zeros); the frozen block takes
+327,800, the trainable parameters' bytes. More in docs/ddp_breaks_unused.md.
 
 Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_unused.py --mode find-unused
@@ -616,7 +619,7 @@ def run(device, args):
 def fail_bare(extra, loader, device, args):
     """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
     found = extra["reproductions"]["plain DDP"]
-    report([float("nan")], 0.0, loader, None, extra, device, args)
+    report([None], 0.0, loader, None, extra, device, args)
     said = "; ".join(f"rank {r}: {names}" for r, names in enumerate(found["per_rank"]))
     stop(f'DDP raised "{found["error"]}" at step 2: parameters that received no gradient: {said}', FIXES)
 
