@@ -59,7 +59,6 @@ script shares is in the harness block at the end of the file, the same in every 
 import argparse
 import copy
 import inspect
-import math
 import os
 import re
 import statistics
@@ -279,15 +278,6 @@ def gathered(error):
     return "; ".join(f"rank {r}: {said or 'no error'}" for r, said in enumerate(every)), every
 
 
-def attempt(steps):
-    """Run steps(); the RuntimeError it raised, or None. Nothing else is caught."""
-    try:
-        steps()
-    except RuntimeError as error:
-        return error
-    return None
-
-
 def stop(what, fix):
     """A failure of the model, not of the input: one line from rank 0, then every rank exits 1.
     The barrier: no rank leaves (and has torchrun end the others) before the line is out."""
@@ -313,9 +303,10 @@ def two_steps(module, device, batches, after_wrapping=None, **options):
     """Wrap `module` and take two forward/backward passes; the RuntimeError DDP raised, or None.
     Debug level INFO, set before wrapping (DDP keeps the parameters' names only when asked then):
     the error names the parameters; without it, it gives their indices."""
+    previous = dist.get_debug_level()  # TORCH_DISTRIBUTED_DEBUG's, if set
     dist.set_debug_level(dist.DebugLevel.INFO)
     model = wrap(module, device, **one_bucket(module), **options)
-    dist.set_debug_level(dist.DebugLevel.OFF)
+    dist.set_debug_level(previous)
     if after_wrapping:
         after_wrapping(module)
     try:
@@ -365,9 +356,7 @@ def report_reproduction(name, reproduce, initial, batches, device, explanation):
     error, when = reproduce(initial, batches, device)
     said, every = gathered(error)
     release_ddp()
-    if explanation is FIXES:
-        pass
-    elif error is None:
+    if error is None:
         print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
     else:
         named = "" if set(every) == {first_words(error)} else f" | {said}"  # not the same sentence twice
@@ -403,7 +392,6 @@ PLANS = {
                    ("reentrant+static", checkpointed(True), STATIC)],
 }
 REPRODUCTIONS = {
-    "bare": [("plain DDP", reproduce_bare, FIXES)],
     "freeze": [("frozen after wrapping", reproduce_freeze_after,
                 "DDP chose what to wait for when it was built: freeze before wrapping"),
                ("frozen on rank 1 only", reproduce_freeze_one_rank,
@@ -604,10 +592,10 @@ def run(device, args):
     else:
         initial = MultiTask(args.width)
         batches = first_batches(loader, device)
+        if args.mode == "bare":
+            return fail_bare(initial, batches, loader, device, args)
         extra = {"reproductions": {name: report_reproduction(name, reproduce, initial, batches, device, why)
                                    for name, reproduce, why in REPRODUCTIONS.get(args.mode, [])}}
-        if args.mode == "bare":
-            return fail_bare(extra, loader, device, args)
         modules, curve, more = train_mode(initial, loader, device, args)
         extra.update(more)
     elapsed = time.perf_counter() - start
@@ -616,12 +604,17 @@ def run(device, args):
     return in_sync and all(v is not False for v in extra.get("checks", {}).values())
 
 
-def fail_bare(extra, loader, device, args):
+def fail_bare(initial, batches, loader, device, args):
     """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
-    found = extra["reproductions"]["plain DDP"]
+    error, when = reproduce_bare(initial, batches, device)
+    said, every = gathered(error)
+    release_ddp()
+    if error is None:  # not with this model; a model whose every parameter takes part gets here
+        print0("no error: every rank used every parameter")
+        return True
+    extra = {"reproductions": {"plain DDP": {"error": first_words(error), "per_rank": every}}}
     report([None], 0.0, loader, None, extra, device, args)
-    said = "; ".join(f"rank {r}: {names}" for r, names in enumerate(found["per_rank"]))
-    stop(f'DDP raised "{found["error"]}" at step 2: parameters that received no gradient: {said}', FIXES)
+    stop(f'DDP raised "{first_words(error)}" {when}: parameters that received no gradient: {said}', FIXES)
 
 
 def report(curve, elapsed, loader, in_sync, extra, device, args):
