@@ -362,6 +362,9 @@ def compare_hooks(device, args):
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
     initial = MLP(args.features, args.hidden).state_dict()
     args.hooks = bf16_where_native(args.hooks, device)
+    # the hooks that can run were chosen from this machine's packages (numpy, torch): the same copies everywhere
+    check_same_on_every_rank(sum(1 << HOOK_NAMES.index(h) for h in args.hooks), "hooks (a bit mask of HOOK_NAMES)",
+                             "install the same torch and numpy on every node, or name them with --hooks")
     runs = [Run(name, initial, device, args) for name in args.hooks]
     print0(f"{len(runs)} copies of an MLP with {sum(t.numel() for t in initial.values()):,} parameters, "
            f"{len(loader)} steps per epoch, hooks: {', '.join(args.hooks)}")

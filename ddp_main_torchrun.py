@@ -44,6 +44,7 @@ replica check, checkpoint files) is the harness block at the end of the file.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import inspect
 import math
 import os
 import re
@@ -351,13 +352,18 @@ def read_image(path):
 
 
 def choose_dataset(args, device):
-    """'images', 'mnist' or 'synthetic'. Only global rank 0 looks for (and downloads) MNIST; the rest wait."""
+    """'images', 'mnist' or 'synthetic'. Global rank 0 looks for (and downloads) MNIST while the rest wait;
+    then the first process of every other machine looks in its own --data: MNIST only if every machine has
+    it (rank 0's answer alone would send a machine without the files into torchvision's "Dataset not found")."""
     if args.image_folder:
         return "images"  # found and checked by check_data, on every node
     found = torch.zeros(1, dtype=torch.long, device=device)
     if dist.get_rank() == 0 and args.dataset != "synthetic":
         found[0] = int(mnist_available(args.data or DEFAULT_DATA))
     dist.broadcast(found, src=0)  # the barrier: nobody reads the folder before rank 0 has filled it
+    if found.item() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        found[0] = int(mnist_available(args.data))  # a shared file system: there already, no download
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
     if found.item():
         return "mnist"
     if args.dataset == "mnist":
@@ -486,9 +492,12 @@ def amp_choice(choice, device):
         return choice
     if device.type == "cpu":
         return "off"
-    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA):
-    # bf16 if so, else fp16 with a GradScaler
-    return device_plan(device.type, bf16=bf16_supported(device))["amp"]
+    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA): bf16
+    # if so, else fp16 with a GradScaler. Agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients scaled by
+    # its GradScaler, to be averaged with another rank's unscaled bf16 ones
+    native = torch.tensor([int(bf16_supported(device))], device=device)
+    dist.all_reduce(native, op=dist.ReduceOp.MIN)
+    return device_plan(device.type, bf16=bool(native.item()))["amp"]
 
 
 def autocast(device, amp):
@@ -548,10 +557,20 @@ def sync_buffers(model):
     """Give every rank rank 0's BatchNorm statistics, the ones saved.
 
     Without SyncBatchNorm (the CPU) each rank's statistics follow its own batches, and
-    DDP was told not to broadcast them every step (broadcast_buffers=False in train).
+    DDP was told not to broadcast them every step (no_buffer_broadcast).
     """
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def no_buffer_broadcast():
+    """DDP's option for no buffer broadcast before every forward: forward_sync_buffers=False from torch
+    2.13, which deprecates broadcast_buffers=False (a FutureWarning from every rank); older torch knows
+    only broadcast_buffers. (The new flag still broadcasts the buffers once, when DDP is built: the
+    same values here, every rank's model being built from one seed or one checkpoint.)"""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def write_checkpoint(model, optimizer, scaler, epoch, args):
@@ -572,9 +591,6 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args):
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}: a switch to fp16 starts afresh
         scaler.load_state_dict(checkpoint["scaler"])
-    # a rank that read another file (not on a shared file system) would train other epochs
-    check_same_on_every_rank(checkpoint["epoch"], "checkpoint epochs",
-                             f"put {args.checkpoint} on a file system every node sees")
     if not args.evaluate:  # one line, if the world size changed
         note_world_change(checkpoint, len(train_loader), args.batch_size)
     trained_on = checkpoint["args"].get("dataset")
@@ -615,6 +631,10 @@ def train(device, args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
     from_checkpoint = args.resume or args.evaluate
     start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if from_checkpoint else 0
+    # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
+    # restart) or another one would train other epochs, and would skip a collective only resumers reached
+    check_same_on_every_rank(start_epoch, "checkpoint epochs (0: none found)",
+                             f"put {args.checkpoint} on a file system every node sees")
     if not args.evaluate:
         nothing_left(args.checkpoint, "epoch", start_epoch, "--epochs", args.epochs)
     print0(f"world {plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | amp {args.amp} "
@@ -622,12 +642,12 @@ def train(device, args):
            f"{plural(args.epochs, 'epoch')}")
 
     # built before the clock starts: DDP's constructor waits for the slowest rank to arrive.
-    # broadcast_buffers=False: by default DDP broadcasts rank 0's BatchNorm statistics before every
+    # no_buffer_broadcast(): by default DDP broadcasts rank 0's BatchNorm statistics before every
     # forward, one more collective per step. Not needed here: SyncBatchNorm keeps them equal on GPUs;
     # on CPU rank 0's (the ones saved) come from rank 0's batches either way, and sync_buffers()
     # hands them to every rank before evaluation.
     ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
-                                         broadcast_buffers=False)
+                                         **no_buffer_broadcast())
     start = time.perf_counter()
     history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
     elapsed = time.perf_counter() - start

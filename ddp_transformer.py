@@ -246,11 +246,11 @@ def setup(args):
     else:
         device = torch.device("cpu")
         use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
+    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     return device
 
 
@@ -265,7 +265,11 @@ def resolve_amp(amp, device):
     if amp == "auto":
         # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
         # on CUDA): before Ampere bf16 is emulated, slower than fp16 with a scaler
-        return device_plan(device.type, bf16=bf16_supported(device))["amp"]
+        # agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients
+        # scaled by its GradScaler, to be averaged with another rank's unscaled bf16 ones
+        native = torch.tensor([int(bf16_supported(device))], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        return device_plan(device.type, bf16=bool(native.item()))["amp"]
     if amp == "bf16" and not bf16_supported(device, emulated=True):
         fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
     return amp
@@ -585,6 +589,15 @@ def autocast(amp, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
+def step_seed(seed, rank, step):
+    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
+    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
+    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
+    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
+    and DDP broadcasts rank 0's anyway: the replicas start identical."""
+    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
+
+
 def train_step(model, optimizer, scaler, micro_batches, amp, clip, step_tokens=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens) on the device.
 
@@ -816,6 +829,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.schedule, self.args)
         step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
+        torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
         loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
                                       self.args.clip, step_tokens)
         self.step, self.steps = self.step + 1, self.steps + 1

@@ -374,6 +374,8 @@ def run(device, args):
     dataset = make_dataset(args.samples, args.seed)
     loader = make_loader(dataset, device, args)
     model, optimizer, resumed_from = build(device, loader, args)
+    # nodes that read their own --checkpoint (not a shared file system) could resume other epochs
+    check_same_on_every_rank(resumed_from, "checkpoint epochs", "put --checkpoint on a file system every node sees")
     nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
     start = time.perf_counter()
     history, batches = train(model, optimizer, loader, resumed_from, device, args)

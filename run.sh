@@ -258,6 +258,20 @@ run_desync() {
            "m['final_loss'] < m['first_loss']"
 }
 
+extra_mode unused "ddp_unused.py: parameters without a gradient: the error named (--mode bare, exit 1), then find-unused vs static-graph"
+run_unused() {
+    local rc
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_unused.py" --mode bare 2> err.txt
+    rc=$?
+    grep '^error:' err.txt
+    if [ "$rc" != 1 ] || ! grep -q '^error: .*rank 0: .*heads\.b\.weight' err.txt; then
+        echo "FAIL: --mode bare should exit 1 naming rank 0's unused parameters (exit $rc)"; return 1
+    fi
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_unused.py" --mode static-graph --metrics m.json \
+        && check_metrics m.json "m['checks']['spare_unchanged'] is True" "m['final_loss'] < m['first_loss']" \
+            "m['checks']['max_difference_static_vs_find_unused'] < 1e-5"
+}
+
 # ---------------------------------------------------------------- modes beyond one machine (root)
 # two "hosts" on one machine: network namespaces joined by a veth pair (root only)
 NETNS=(ddprun$$h0 ddprun$$h1)

@@ -1,0 +1,1144 @@
+"""Parameters that get no gradient: DDP's most reported error, reproduced, read and fixed.
+
+Scenario: a multi-task model, as in jobs that give each rank one task's data: a shared
+trunk, a `block` that can be frozen or run under activation checkpointing, one head per
+task (`heads.a`, `heads.b`; rank r trains task a when r is even, b when odd) and a `spare`
+layer that is defined but that no step calls (a head kept for later). On every step each
+rank leaves its other head and the spare layer without a gradient. Plain DDP waits for
+every parameter's gradient before it all-reduces a bucket, so the first step never
+finishes its reduction and the second forward raises:
+
+    RuntimeError: Expected to have finished reduction in the prior iteration before starting
+    a new one. This error indicates that your module has parameters that were not used in
+    producing loss. ... Parameter indices which did not receive grad for rank 0: 0 7 8
+
+Indices only. With TORCH_DISTRIBUTED_DEBUG=INFO (or DETAIL) in the environment, or
+`torch.distributed.set_debug_level(DebugLevel.INFO)` before the model is wrapped (as here),
+DDP names them: `Parameters which did not receive grad for rank 0: heads.b.bias, ...`.
+
+--mode (each trains copies of the model side by side, from the same weights on the same
+batches, unless it reproduces an error):
+    bare          plain DDP: the error, gathered from every rank into one line naming the
+                  parameters and the ranks, then the fixes; exit 1
+    find-unused   find_unused_parameters=True: DDP walks the autograd graph after every forward
+                  and all-reduces zeros for what it did not reach; timed against a model whose
+                  every parameter takes part, with and without the flag; DDP's logging data
+    static-graph  static_graph=True: DDP learns the unused set in step 1 and trusts it after;
+                  trained beside find-unused, which it must match (see --mode static-graph below)
+    freeze        block.requires_grad_(False) before wrapping: DDP leaves it out of its buckets
+                  (bytes counted by a comm hook); then freezing after wrapping and freezing on
+                  one rank only, each with its real error in one line
+    checkpoint    the block under torch.utils.checkpoint: use_reentrant=True with
+                  find_unused_parameters raises "Expected to mark a variable ready only once";
+                  use_reentrant=False, or reentrant with static_graph, trains
+    two-forwards  a GAN step: a discriminator with BatchNorm run on real and on fake data, one
+                  backward. Under DDP's default buffer sync torch 2.7 raises "one of the variables
+                  needed for gradient computation has been modified by an inplace operation"
+                  (pytorch#175024, from 2.6 on); torch 2.14 does not (pytorch#175851), but each
+                  rank's BatchNorm statistics still end different. The fix (no buffer sync before
+                  every forward, one broadcast at the end) trains on both
+
+Measured (2 CPU processes, gloo, defaults, torch 2.14.1, a loaded 2-core machine, medians of 3
+runs of --mode static-graph --epochs 6): all-used 10.0 ms a step, find-unused 11.6 ms (1.08x),
+static-graph 9.5 ms (0.95x), noisy; find-unused and static-graph end bit for bit equal. Every
+copy all-reduces 590,968 bytes a step (the unused parameters as zeros); the frozen block takes
+327,800, the trainable parameters' bytes. More in docs/ddp_breaks_unused.md.
+
+Launch:
+    torchrun --standalone --nproc-per-node=gpu ddp_unused.py --mode find-unused
+    torchrun --standalone --nproc-per-node=2 ddp_unused.py --mode bare          # the error, named
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_unused.py --device cpu --mode static-graph
+    python ddp_unused.py --mode freeze                                          # a one-process world
+
+Nearest sibling: ddp_comm_hooks.py (copies trained side by side, a byte-counting comm hook);
+this file adds models DDP cannot train as they stand, and the fixes. The robustness every
+script shares is in the harness block at the end of the file, the same in every script.
+"""
+
+# ---------------------------------------------------------------- imports
+import argparse
+import copy
+import inspect
+import os
+import re
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+MODES = ("bare", "find-unused", "static-graph", "freeze", "checkpoint", "two-forwards")
+FEATURES, CLASSES = 32, 10
+FIXES = ("find_unused_parameters=True when the set changes from step to step, static_graph=True when it "
+         "does not, or freeze (requires_grad_(False)) or delete before wrapping what no step uses; "
+         "see --mode find-unused, static-graph, freeze")
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", default="find-unused", choices=MODES, help="what to reproduce or train (docstring)")
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=2, metavar="N", help="epochs to train")
+    p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
+                   help="samples per step, per process (the global batch is N x world size)")
+    p.add_argument("--lr", type=float, default=0.05, metavar="LR", help="SGD learning rate (momentum 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="size of the data set (default: 512 per process: 16 steps an epoch at any world size)")
+    p.add_argument("--width", type=int, default=256, metavar="N", help="units of the trunk, the block and the heads")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
+                   help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
+    p.add_argument("--backend", default="auto", metavar="auto|NAME",
+                   help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing")
+    p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Validate the arguments in every process, before it joins the group."""
+    args.samples = args.samples or 512 * int(os.environ.get("WORLD_SIZE", 1))  # the same steps at any world size
+    check_positive(args, "epochs", "batch_size", "lr", "samples", "width", "timeout")
+    check_folders(args.metrics)
+    resolve_device(args)
+    return args
+
+
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group that torchrun describes in the environment; returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
+        device = torch.device(args.device, int(os.environ["LOCAL_RANK"]))
+        torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
+    else:
+        device = torch.device("cpu")
+        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
+
+
+def cleanup():
+    release_ddp()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- data: one task per rank
+def make_dataset(samples, seed):
+    """Gaussian inputs with two labels each, from two fixed random linear teachers (task a and b).
+    The same on every rank (seeded): the sampler's indices mean the same thing everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, FEATURES, generator=g)
+    teachers = torch.randn(2, FEATURES, CLASSES, generator=g)
+    return TensorDataset(x, (x @ teachers[0]).argmax(dim=1), (x @ teachers[1]).argmax(dim=1))
+
+
+def task_of(rank):
+    return "ab"[rank % 2]
+
+
+# ---------------------------------------------------------------- model
+class MultiTask(nn.Module):
+    """A shared trunk, a block, one head per task and a spare layer that forward never calls.
+
+    checkpointing: None, or use_reentrant's value for the block under torch.utils.checkpoint.
+    every_parameter: the forward sums every head and the spare layer, so that every parameter
+    takes part: the reference a model with unused parameters is timed against.
+    """
+
+    def __init__(self, width):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(FEATURES, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+        self.block = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+        self.heads = nn.ModuleDict({"a": nn.Linear(width, CLASSES), "b": nn.Linear(width, CLASSES)})
+        self.spare = nn.Linear(width, CLASSES)
+        self.checkpointing, self.every_parameter = None, False
+
+    def forward(self, x, task):
+        h = self.trunk(x)
+        if self.checkpointing is None:
+            h = self.block(h)
+        else:  # activations recomputed in backward instead of stored
+            h = checkpoint(self.block, h, use_reentrant=self.checkpointing)
+        if self.every_parameter:
+            return self.heads["a"](h) + self.heads["b"](h) + self.spare(h)
+        return self.heads[task](h)
+
+
+# ---------------------------------------------------------------- copies trained side by side
+def wrap(module, device, **options):
+    return DDP(module, device_ids=[device.index] if device.type != "cpu" else None, **options)
+
+
+def counting_allreduce(sent):
+    """DDP's default all-reduce as a comm hook, plus a tally: appends to sent[-1] the bytes of each
+    bucket it all-reduces (torch documents allreduce_hook as the same as no hook)."""
+    def hook(state, bucket):
+        sent[-1].append(bucket.buffer().numel() * bucket.buffer().element_size())
+        return default_hooks.allreduce_hook(state, bucket)
+    return hook
+
+
+class Copy:
+    """One copy of the model under one DDP configuration, and what it measured."""
+
+    def __init__(self, name, initial, device, args, configure=None, **ddp_options):
+        self.name = name
+        self.module = copy.deepcopy(initial).to(device)  # every copy starts from the same weights
+        if configure:
+            configure(self.module)  # freezing, checkpointing, ...: before DDP is built, as it must be
+        self.initial = {k: v.detach().clone() for k, v in self.module.named_parameters()}
+        self.model = wrap(self.module, device, **ddp_options)
+        self.sent, self.seconds = [], []  # per step: bytes of each bucket, and seconds
+        self.model.register_comm_hook(None, counting_allreduce(self.sent))
+        self.optimizer = torch.optim.SGD([p for p in self.module.parameters() if p.requires_grad],
+                                         lr=args.lr, momentum=0.9, weight_decay=1e-4)
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
+
+    def step(self, x, y, task):
+        self.sent.append([])
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x, task), y)
+        loss.backward()
+        self.optimizer.step()  # weight decay moves any parameter with a gradient, zero or not
+        if x.device.type != "cpu":
+            torch.accelerator.synchronize(x.device)  # the clock waits for the GPU's work
+        self.seconds.append(time.perf_counter() - start)
+        self.totals += torch.stack([loss.detach().double() * len(x), self.totals.new_tensor(len(x))])
+
+    def unchanged(self, prefix):
+        """Whether every parameter under `prefix` is bit for bit what it was before training."""
+        return all(torch.equal(p, self.initial[k]) for k, p in self.module.named_parameters() if k.startswith(prefix))
+
+    def trainable_bytes(self):
+        return sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
+
+
+def train(copies, loader, device, args):
+    """Every copy takes every step, in turns; returns each copy's global mean loss per epoch."""
+    task, curves = task_of(dist.get_rank()), [[] for _ in copies]
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for i, (x, ya, yb) in enumerate(loader):
+            x, y = x.to(device, non_blocking=True), (ya if task == "a" else yb).to(device, non_blocking=True)
+            for k in range(len(copies)):  # a different copy goes first each step: none always meets a cold cache
+                copies[(i + k) % len(copies)].step(x, y, task)
+        totals = torch.stack([c.totals for c in copies])
+        dist.all_reduce(totals)  # global mean losses, every copy's in one collective
+        for c, curve, (loss_sum, samples) in zip(copies, curves, totals.tolist()):
+            curve.append(loss_sum / samples)
+            c.totals.zero_()
+        print0(f"epoch {epoch + 1}/{args.epochs} | loss " + " | ".join(f"{c.name} {curve[-1]:.4f}"
+                                                                      for c, curve in zip(copies, curves))
+               + f" | {time.perf_counter() - start:.2f} s")
+    return curves
+
+
+# ---------------------------------------------------------------- reading DDP's errors
+def named_in(error):
+    """What a DDP error says about this rank: the parameters it names, else its first sentence."""
+    text = str(error)
+    names = re.search(r"Parameters which did not receive grad for rank \d+: (.+)", text)
+    if names:
+        return names.group(1).strip()
+    twice = re.search(r"Parameter at index \d+ with name (\S+) has been marked as ready twice", text)
+    if twice:
+        return f"{twice.group(1)} marked ready twice"
+    return re.split(r"(?<=[.!])\s", text.strip())[0].strip()
+
+
+def first_words(error):
+    """The error's first sentence, as torch wrote it (the part a search engine finds)."""
+    return re.split(r"(?<=\.)\s", str(error).strip(), maxsplit=1)[0]
+
+
+def gathered(error):
+    """`rank 0: ...; rank 1: ...`: what each rank's error says, or `no error`; every rank calls it."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, named_in(error) if error else None)
+    if len(set(every)) == 1 and every[0]:
+        return f"every rank: {every[0]}", every
+    return "; ".join(f"rank {r}: {said or 'no error'}" for r, said in enumerate(every)), every
+
+
+def stop(what, fix):
+    """A failure of the model, not of the input: one line from rank 0, then every rank exits 1.
+    The barrier: no rank leaves (and has torchrun end the others) before the line is out."""
+    print0_err(f"error: {what} ({fix})")
+    dist.barrier()
+    raise SystemExit(1)
+
+
+def print0_err(line):
+    if dist.get_rank() == 0:
+        say(line, sys.stderr)
+
+
+# ---------------------------------------------------------------- the errors, reproduced
+def one_bucket(module):
+    """DDP options for the reproductions: the whole model in one bucket. A bucket is all-reduced
+    only once every gradient in it is ready, so with one bucket no rank has all-reduced a bucket
+    that another rank left pending when the error comes: the ranks can still gather their errors."""
+    return {"bucket_cap_mb": sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20 + 1}
+
+
+def two_steps(module, device, batches, after_wrapping=None, **options):
+    """Wrap `module` and take two forward/backward passes; the RuntimeError DDP raised, or None.
+    Debug level INFO, set before wrapping (DDP keeps the parameters' names only when asked then):
+    the error names the parameters; without it, it gives their indices."""
+    previous = dist.get_debug_level()  # TORCH_DISTRIBUTED_DEBUG's, if set
+    dist.set_debug_level(dist.DebugLevel.INFO)
+    model = wrap(module, device, **one_bucket(module), **options)
+    dist.set_debug_level(previous)
+    if after_wrapping:
+        after_wrapping(module)
+    try:
+        for x, y in batches:
+            F.cross_entropy(model(x, task_of(dist.get_rank())), y).backward()
+    except RuntimeError as error:
+        return error
+    return None
+
+
+def reproduce_bare(initial, batches, device):
+    """Plain DDP on the model as it stands."""
+    return two_steps(copy.deepcopy(initial).to(device), device, batches), "at step 2"
+
+
+def reproduce_freeze_after(initial, batches, device):
+    """Every parameter in use, then the block frozen after DDP was built: DDP still waits for it."""
+    module = copy.deepcopy(initial).to(device)
+    module.every_parameter = True
+    return two_steps(module, device, batches, lambda m: m.block.requires_grad_(False)), "at step 2"
+
+
+def reproduce_freeze_one_rank(initial, batches, device):
+    """The block frozen before wrapping, but on rank 1 only: DDP compares the ranks' parameters first."""
+    module = copy.deepcopy(initial).to(device)
+    if dist.get_rank() == 1:
+        module.block.requires_grad_(False)
+    try:
+        wrap(module, device)
+    except RuntimeError as error:
+        return error, "when DDP was built"
+    return None, "when DDP was built" + (" (a world of one has no rank 1)" if dist.get_world_size() == 1 else "")
+
+
+def reproduce_checkpoint_reentrant(initial, batches, device):
+    """The block under reentrant checkpointing with find_unused_parameters: the graph walk after the
+    forward cannot see inside the checkpoint (it ran under no_grad), so DDP counts the block unused
+    and marks it ready, and the recomputation's backward marks it again."""
+    module = copy.deepcopy(initial).to(device)
+    module.checkpointing = True
+    error = two_steps(module, device, batches, find_unused_parameters=True)
+    return error, "in the first backward"
+
+
+def report_reproduction(name, reproduce, initial, batches, device, explanation):
+    """One line per reproduction (rank 0), with what each rank's DDP said; --mode bare's is its error line."""
+    error, when = reproduce(initial, batches, device)
+    said, every = gathered(error)
+    release_ddp()
+    if error is None:
+        print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
+    else:
+        named = "" if set(every) == {first_words(error)} else f" | {said}"  # not the same sentence twice
+        print0(f'{name}: reproduced {when}: "{first_words(error)}"{named} | {explanation}')
+    return {"error": first_words(error) if error else None, "per_rank": every}
+
+
+# ---------------------------------------------------------------- the fixes, trained
+def use_every_parameter(module):
+    module.every_parameter = True
+
+
+def freeze_block(module):
+    module.block.requires_grad_(False)
+
+
+def checkpointed(reentrant):
+    def configure(module):
+        module.checkpointing = reentrant
+    return configure
+
+
+FIND_UNUSED, STATIC = {"find_unused_parameters": True}, {"static_graph": True}
+# per mode: the copies trained side by side (name, what is done to the model before wrapping, DDP
+# options); "all-used" is the reference: a forward in which every parameter takes part, plain DDP
+PLANS = {
+    "find-unused": [("all-used", use_every_parameter, {}), ("all-used+flag", use_every_parameter, FIND_UNUSED),
+                    ("find-unused", None, FIND_UNUSED)],
+    "static-graph": [("all-used", use_every_parameter, {}), ("find-unused", None, FIND_UNUSED),
+                     ("static-graph", None, STATIC)],
+    "freeze": [("find-unused", None, FIND_UNUSED), ("frozen", freeze_block, FIND_UNUSED)],
+    "checkpoint": [("find-unused", None, FIND_UNUSED), ("non-reentrant", checkpointed(False), FIND_UNUSED),
+                   ("reentrant+static", checkpointed(True), STATIC)],
+}
+REPRODUCTIONS = {
+    "freeze": [("frozen after wrapping", reproduce_freeze_after,
+                "DDP chose what to wait for when it was built: freeze before wrapping"),
+               ("frozen on rank 1 only", reproduce_freeze_one_rank,
+                "DDP checks at construction that every rank has the same trainable parameters: freeze on every rank")],
+    "checkpoint": [("reentrant + find_unused", reproduce_checkpoint_reentrant,
+                    "use_reentrant=False, or static_graph=True (which learns the graph in step 1)")],
+}
+
+
+def measure(copies, curves):
+    """Per copy: bytes per step, median step time, losses, DDP's logging data, untouched parameters."""
+    base = statistics.median(copies[0].seconds[1:])
+    table = {}
+    for c, curve in zip(copies, curves):
+        step = statistics.median(c.seconds[1:])  # step 1 builds buckets and, under static_graph, learns the graph
+        table[c.name] = {"bytes_per_step": sum(c.sent[-1]), "buckets_per_step": len(c.sent[-1]),
+                         "trainable_bytes": c.trainable_bytes(), "step_time_s": step, "vs_first": step / base,
+                         "first_loss": curve[0], "final_loss": curve[-1], "losses": curve,
+                         "spare_unchanged": c.unchanged("spare."), "block_unchanged": c.unchanged("block."),
+                         "logging_data": logging_data(c)}
+    return table
+
+
+def logging_data(c):
+    """DDP's own view of a copy (model._get_ddp_logging_data(): private, and documented in DDP's help)."""
+    data = c.model._get_ddp_logging_data()
+    keys = ("find_unused_parameters", "static_graph", "unused_parameter_size", "can_set_static_graph", "iteration")
+    return {k: data.get(k) for k in keys}
+
+
+def largest_difference(a, b):
+    """The largest |difference| between two copies' parameters (0.0: bit for bit the same)."""
+    return max((x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters()))
+
+
+def print_table(table):
+    print0(f"{'copy':<18}{'bytes/step':>12}{'step (median)':>15}{'vs ' + next(iter(table)):>16}{'final loss':>12}"
+           f"  spare unchanged | DDP's logging data")
+    for name, t in table.items():
+        print0(f"{name:<18}{t['bytes_per_step']:>12,}{t['step_time_s'] * 1e3:>12.2f} ms{t['vs_first']:>15.2f}x"
+               f"{t['final_loss']:>12.4f}  {'yes' if t['spare_unchanged'] else 'NO':<15} | "
+               + ", ".join(f"{k}={v}" for k, v in t["logging_data"].items() if k != "iteration"))
+
+
+# ---------------------------------------------------------------- two forwards through BatchNorm (a GAN step)
+NOISE = 16
+def no_buffer_broadcast():
+    """DDP's option for no buffer broadcast before every forward: forward_sync_buffers=False from torch
+    2.13, which deprecates broadcast_buffers=False; older torch knows only broadcast_buffers."""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def gan(width):
+    """A generator and a discriminator with BatchNorm, whose running statistics are buffers."""
+    generator = nn.Sequential(nn.Linear(NOISE, width), nn.ReLU(), nn.Linear(width, FEATURES))
+    discriminator = nn.Sequential(nn.Linear(FEATURES, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 1))
+    return generator, discriminator
+
+
+def gan_epoch(g, d, optimizers, loader, device):
+    """One epoch of the usual GAN step; returns [discriminator loss sum, batches] of this rank."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, _, _ in loader:
+        real = x.to(device) + 2  # "real" data: the inputs, shifted
+        fake = g(torch.randn(len(x), NOISE, device=device))
+        # two forwards through the discriminator, then one backward: with the default buffer sync
+        # DDP broadcasts rank 0's BatchNorm statistics in place before the second one
+        d_loss = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
+        optimizers[1].zero_grad(set_to_none=True)
+        d_loss.backward()
+        optimizers[1].step()
+        g_loss = F.softplus(-d(fake)).mean()
+        optimizers[0].zero_grad(set_to_none=True)
+        g_loss.backward()
+        optimizers[0].step()
+        totals += torch.stack([d_loss.detach().double(), totals.new_tensor(1)])
+    return totals
+
+
+def train_gan(initial, loader, device, args, **options):
+    """Train a copy of the GAN pair; the pair and its global mean discriminator loss per epoch."""
+    g, d = (copy.deepcopy(m).to(device) for m in initial)
+    ddp_g, ddp_d = wrap(g, device), wrap(d, device, **options)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=args.lr / 25, betas=(0.5, 0.999)) for m in (g, d)]
+    curve = []
+    for epoch in range(args.epochs):
+        loader.sampler.set_epoch(epoch)
+        totals = gan_epoch(ddp_g, ddp_d, optimizers, loader, device)
+        dist.all_reduce(totals)
+        curve.append((totals[0] / totals[1]).item())
+    return nn.ModuleList([g, d]), curve
+
+
+def buffers_agree(module):
+    """Whether every rank's buffers (BatchNorm's running statistics) equal rank 0's, bit for bit."""
+    same = torch.ones(1, device=next(module.parameters()).device)
+    for buffer in module.buffers():
+        theirs = buffer.clone()
+        dist.broadcast(theirs, src=0)
+        same *= float(torch.equal(theirs, buffer))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def try_default_sync(initial, loader, device, args):
+    """Train under DDP's default buffer sync; one line: its error where torch raises one, else what it leaves."""
+    default, error = None, None
+    try:
+        default, _ = train_gan(initial, loader, device, args)
+    except RuntimeError as e:
+        error = e
+    said, every = gathered(error)
+    release_ddp()
+    flag = next(iter(no_buffer_broadcast()))
+    if error:
+        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" '
+               f"({said.split(':')[0]}) | torch {torch.__version__} (pytorch#175024, fixed by "
+               f"pytorch#175851): pass {flag}=False")
+    else:
+        agree = "yes" if buffers_agree(default) else "no (each forward updates them after the broadcast)"
+        print0(f"default buffer sync: no error in torch {torch.__version__} (DDP keeps the buffers' version "
+               f"counters across its broadcast since pytorch#175851); BatchNorm statistics agree across ranks "
+               f"after training: {agree}")
+    return {"default_sync_error": first_words(error) if error else None, "per_rank": every}
+
+
+def run_two_forwards(loader, device, args):
+    """The default buffer sync (its error where torch raises one), then the fix; returns the summary."""
+    initial = gan(args.width)
+    torch.manual_seed(args.seed + dist.get_rank())  # the generator's noise: its own on every rank
+    found = try_default_sync(initial, loader, device, args)
+    fixed, curve = train_gan(initial, loader, device, args, **no_buffer_broadcast())
+    diverged = not buffers_agree(fixed)
+    for buffer in fixed.buffers():  # rank 0's statistics for everyone, once, before they are used or saved
+        dist.broadcast(buffer, src=0)
+    agree = buffers_agree(fixed)
+    print0(f"{next(iter(no_buffer_broadcast()))}=False: trained; discriminator loss "
+           + " -> ".join(f"{v:.4f}" for v in curve) + f" | BatchNorm statistics differed across ranks before the "
+           f"final broadcast: {'yes' if diverged else 'no'}, after it agree: {'yes' if agree else 'NO'}")
+    return fixed, curve, {**found, "buffers_differed_before_broadcast": diverged, "buffers_agree": agree,
+                          "sync_option": no_buffer_broadcast(), "checks": {"buffers_agree": agree}}
+
+
+# ---------------------------------------------------------------- main
+def first_batches(loader, device, count=2):
+    batches = []
+    for x, ya, yb in loader:
+        batches.append((x.to(device), (ya if task_of(dist.get_rank()) == "a" else yb).to(device)))
+        if len(batches) == count:
+            return batches
+    return batches
+
+
+def mode_checks(copies, table, args):
+    """What each mode promises, checked: returns {check: value} for the metrics and the done: line."""
+    by_name = {c.name: c for c in copies}
+    # the spare layer takes part only in the all-used reference; everywhere else no step reaches it
+    checks = {"spare_unchanged": all(t["spare_unchanged"] for name, t in table.items() if "all-used" not in name)}
+    if args.mode == "static-graph":
+        checks["max_difference_static_vs_find_unused"] = largest_difference(by_name["find-unused"],
+                                                                            by_name["static-graph"])
+    if args.mode == "checkpoint":
+        checks["max_difference_checkpointed_vs_plain"] = max(
+            largest_difference(by_name["find-unused"], by_name[n]) for n in ("non-reentrant", "reentrant+static"))
+    if args.mode == "freeze":
+        frozen = table["frozen"]
+        checks["frozen_block_unchanged"] = frozen["block_unchanged"]
+        checks["frozen_bytes_are_trainable_bytes"] = frozen["bytes_per_step"] == frozen["trainable_bytes"]
+        checks["bytes_saved_per_step"] = table["find-unused"]["bytes_per_step"] - frozen["bytes_per_step"]
+    for name, value in checks.items():
+        print0(f"check: {name} = {value}")
+    return checks
+
+
+def train_mode(initial, loader, device, args):
+    """Train the mode's copies side by side; returns (modules, curve of the last copy, extra metrics)."""
+    copies = [Copy(name, initial, device, args, configure, **options) for name, configure, options in PLANS[args.mode]]
+    tasks = ", ".join(f"rank {r} {task_of(r)}" for r in range(dist.get_world_size()))
+    print0(f"{len(copies)} copies of a model with {sum(p.numel() for p in initial.parameters()):,} parameters, "
+           f"{len(loader)} steps per epoch, task per rank: {tasks} | {', '.join(c.name for c in copies)}")
+    curves = train(copies, loader, device, args)
+    table = measure(copies, curves)
+    print_table(table)
+    checks = mode_checks(copies, table, args)
+    return nn.ModuleList(c.module for c in copies), curves[-1], {"copies": table, "checks": checks}
+
+
+def run(device, args):
+    """Reproduce the mode's errors, then train its fixes; returns True when the replicas agree."""
+    torch.manual_seed(args.seed)  # the initial weights: the same on every rank
+    dataset = make_dataset(args.samples, args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
+    start = time.perf_counter()
+    if args.mode == "two-forwards":
+        modules, curve, extra = run_two_forwards(loader, device, args)
+    else:
+        initial = MultiTask(args.width)
+        batches = first_batches(loader, device)
+        if args.mode == "bare":
+            return fail_bare(initial, batches, loader, device, args)
+        extra = {"reproductions": {name: report_reproduction(name, reproduce, initial, batches, device, why)
+                                   for name, reproduce, why in REPRODUCTIONS.get(args.mode, [])}}
+        modules, curve, more = train_mode(initial, loader, device, args)
+        extra.update(more)
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(modules, device)
+    report(curve, elapsed, loader, in_sync, extra, device, args)
+    return in_sync and all(v is not False for v in extra.get("checks", {}).values())
+
+
+def fail_bare(initial, batches, loader, device, args):
+    """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
+    error, when = reproduce_bare(initial, batches, device)
+    said, every = gathered(error)
+    release_ddp()
+    if error is None:  # not with this model; a model whose every parameter takes part gets here
+        print0("no error: every rank used every parameter")
+        return True
+    extra = {"reproductions": {"plain DDP": {"error": first_words(error), "per_rank": every}}}
+    report([None], 0.0, loader, None, extra, device, args)
+    stop(f'DDP raised "{first_words(error)}" {when}: parameters that received no gradient: {said}', FIXES)
+
+
+def report(curve, elapsed, loader, in_sync, extra, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line (not for --mode bare)."""
+    steps = args.epochs * len(loader) if args.mode != "bare" else 0
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": device.type, "torch": torch.__version__, "mode": args.mode, "epochs": args.epochs if steps else 0,
+        "steps": steps, "steps_per_epoch": len(loader), "batch_size": args.batch_size, "elapsed_s": elapsed,
+        "samples_per_s": steps * args.batch_size * dist.get_world_size() / elapsed if elapsed else 0.0,
+        "first_loss": curve[0], "final_loss": curve[-1], "losses": curve, "replicas_in_sync": in_sync,
+        "resumed_from_epoch": 0, **extra,
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    if args.mode != "bare":
+        print0(f"done: {summary['script']} --mode {args.mode} | {summary['world_size']} x {device.type} "
+               f"({summary['backend']}) | torch {torch.__version__} | {args.epochs} epochs | loss {curve[0]:.4f} -> "
+               f"{curve[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout):
+            ok = run(device, args)
+    finally:
+        cleanup()
+    if not ok:
+        sys.exit(1)  # the replicas differ, or a check of the mode failed
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import contextlib
+import gc
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False, every_node=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its device) is said by this process. `every_node`: what
+    one machine sees (its files) is said there once, by its LOCAL_RANK 0, so a node that
+    lacks a file says so itself and a single machine still prints one line.
+    """
+    rank = global_rank()
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
+    if rank == 0 or every_rank or (every_node and first_on_node):
+        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+def device_plan(kind, backend="auto", bf16=False):
+    """The device choice as a pure function of the device type, so that a CPU can test every type.
+
+    kind: "cpu", or the accelerator type torch reports (cuda, xpu, hpu, npu, mps, ...); each
+    process then takes the device of its LOCAL_RANK (torch.accelerator.set_device_index).
+    backend "auto": torch's default for the type (get_default_backend_for_device: nccl on cuda,
+    xccl on xpu, gloo on cpu; hccl on hpu and npu once their plugins have registered it); a
+    backend fits when torch's Backend.backend_capability lists the type. bf16: the device
+    computes bfloat16 natively. Returns {"backend", "amp": what --amp auto means there,
+    "problem": (what, fix) when no job can run so, else None}.
+    """
+    amp = "bf16" if bf16 else "off" if kind == "cpu" else "fp16"  # fp16 with a GradScaler; slow on CPUs
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    chosen = default if backend == "auto" else backend
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    problem = None
+    if chosen is not None and chosen not in carries:
+        problem = (f"unknown backend {chosen!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    elif chosen is not None and kind in carries[chosen]:
+        pass
+    elif default is not None and kind in carries[default]:
+        problem = (f"--backend {chosen} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+                   f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    else:
+        problem = (f"torch has no multi-process backend for {kind}",
+                   f"use --device cpu, or install the package that adds {kind} to torch")
+    return {"backend": chosen, "amp": amp, "problem": problem}
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete: torch.accelerator's device, else the CPU, and the
+    device's default backend. A device the machine lacks, or a backend that does not fit it, is one
+    error line. (LOCAL_RANK is checked once the launcher's values are complete: prepare_rendezvous.)"""
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    here = found.type if found is not None else "cpu"
+    args.device = here if args.device == "auto" else args.device
+    if args.device not in ("cpu", here):
+        fail(f"--device {args.device} but " + (f"this machine's accelerator is {here}" if found else
+                                                "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if args.device == "cuda" else " or auto"))
+    plan = device_plan(args.device, args.backend)
+    if plan["problem"]:
+        fail(*plan["problem"])
+    args.backend = plan["backend"]
+    return args
+
+
+def bf16_supported(device, emulated=False):
+    """Whether this process's device computes in bfloat16; ask after set_device_index, it asks the
+    current device. Emulated bf16 (CUDA before Ampere) is slower than fp16 with a GradScaler, so it
+    counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
+    plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
+    if device.type == "cpu":
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is None:  # a module without the check: torch's own autocast default for the type
+        return torch.get_autocast_dtype(device.type) == torch.bfloat16
+    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
+        return bool(check(including_emulation=emulated))
+    return bool(check())
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks this process's device, so it must be one of this machine's `count` devices.
+    named: the launcher set LOCAL_RANK; a hand-made launch that did not is taken to run every rank
+    on this machine (LOCAL_RANK = RANK), which a second machine cannot hold."""
+    if device == "cpu":
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    count = torch.accelerator.device_count() if count is None else count
+    if local_rank < count:
+        return
+    if not named:
+        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
+         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely.
+
+    SO_REUSEADDR, as the TCPStore that will listen there binds: a port that a finished run left
+    in TIME_WAIT (for about a minute) is free for it, while one that something listens on is not.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)  # the values this process will use, filled in
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
+        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
+        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Watch for Ctrl-C in this process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the `interrupted` line is still printed; a process whose SIGINT was ignored when
+    it started (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"checkpoint at {unit} {state[key]} kept in {path}"
+    return f"checkpoint kept in {path}"
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the two ways a job ends early into one line each.
+
+    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
+    via a second gloo group: after a timeout the main group's connections are closed, this
+    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
+    prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every process leaves
+    at once with exit code 130. A checkpoint being written was already removed on the way
+    here (save_checkpoint is atomic), and a clean shutdown is not attempted: with the peers
+    gone, releasing DDP's reducer can wait on them for seconds.
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            sys.stderr.flush()
+            os._exit(130)
+        if health is None or "timed out" not in str(error).lower():
+            raise
+        try:
+            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
+                                   wait_all_ranks=True)
+            who = "every rank answered afterwards"
+        except RuntimeError as e:
+            who = str(e).strip().splitlines()[0]
+        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
+            f"[rank {global_rank()}]", sys.stderr)
+        raise SystemExit(1) from None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    # a backend that carries only accelerator tensors (nccl, xccl, hccl) gathers on this process's device
+    on_cpu = "cpu" in dist.Backend.backend_capability.get(dist.get_backend(), ["cpu"])
+    device = None if on_cpu else torch.device(torch.accelerator.current_accelerator().type,
+                                              torch.accelerator.current_device_index())
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """True when every rank's parameters equal rank 0's, bit for bit.
+
+    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
+    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
+    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
+    weighted sum of its parameters) only lets a reader tell runs apart.
+    """
+    same = True
+    for p in model.parameters():
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, src=0)
+        same = same and torch.equal(theirs, p.detach())
+    verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(verdicts)} ranks, fingerprint {fingerprint.item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
+    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
+             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
+    job moved to fewer GPUs): what changes with the world and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
+               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+def resumes_this_job(path):
+    """Whether this torchrun worker should continue from checkpoint `path` without --resume.
+
+    torchrun starts a job's workers anew after a failure (--max-restarts) and whenever a node
+    joins or leaves (--nnodes=MIN:MAX). TORCHELASTIC_RESTART_COUNT counts failures only, on the
+    nodes that saw them: a node that joins, and every node after a membership change, start
+    at 0. The job itself is named by torchrun's --rdzv-id (TORCHELASTIC_RUN_ID; a fresh id for
+    each --standalone launch), which save_checkpoint stamps into every checkpoint: this job's
+    checkpoint is continued on every node, an earlier job's is not. Without --rdzv-id (the id
+    is "none") only a restart count above 0 can tell.
+    """
+    if not os.path.isfile(path):
+        return False
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:  # mmap: only the small "job" entry is read from disk
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
+    except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
+        return False
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank, said on each machine whose copy has it.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh", every_node=True)
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
+             every_node=True)
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it", every_node=True)
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                     every_node=True)
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} {how_it_ended(e)}", sys.stderr)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+
+
+def how_it_ended(exited):
+    """`was ended by SIGABRT (exit code -6)`, or `exited with code 3`: torch names the signal."""
+    if exited.signal_name:
+        return f"was ended by {exited.signal_name} (exit code {exited.exit_code})"
+    return f"exited with code {exited.exit_code}"
+# ---- end of harness ----
+
+
+if __name__ == "__main__":
+    main()
