@@ -614,6 +614,18 @@ def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args):
 
 
 # ---------------------------------------------------------------- main
+def starting_epoch(model, optimizer, scaler, train_loader, args):
+    """The epoch this run starts at: the checkpoint's when resuming or evaluating, else 0."""
+    start = restore_checkpoint(model, optimizer, scaler, train_loader, args) if args.resume or args.evaluate else 0
+    # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
+    # restart) or another one would train other epochs, and would skip a collective only resumers reached
+    check_same_on_every_rank(start, "checkpoint epochs (0: none found)",
+                             f"put {args.checkpoint} on a file system every node sees")
+    if not args.evaluate:
+        nothing_left(args.checkpoint, "epoch", start, "--epochs", args.epochs)
+    return start
+
+
 def train(device, args):
     """Build data, model and optimizer, train (or only evaluate), check and report; True when the replicas agree."""
     torch.manual_seed(args.seed)
@@ -628,14 +640,7 @@ def train(device, args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    from_checkpoint = args.resume or args.evaluate
-    start_epoch = restore_checkpoint(model, optimizer, scaler, train_loader, args) if from_checkpoint else 0
-    # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
-    # restart) or another one would train other epochs, and would skip a collective only resumers reached
-    check_same_on_every_rank(start_epoch, "checkpoint epochs (0: none found)",
-                             f"put {args.checkpoint} on a file system every node sees")
-    if not args.evaluate:
-        nothing_left(args.checkpoint, "epoch", start_epoch, "--epochs", args.epochs)
+    start_epoch = starting_epoch(model, optimizer, scaler, train_loader, args)
     print0(f"world {plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | "
            f"{plural(args.epochs, 'epoch')}")

@@ -658,6 +658,7 @@ def main():
 # and backend choice, timeouts and Ctrl-C, DDP released before the process group,
 # the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
 # =============================================================================
+import argparse
 import contextlib
 import gc
 import inspect
@@ -666,8 +667,10 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -676,6 +679,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
 
 
 def say(line, file=None):
@@ -710,10 +722,42 @@ def fail(what, fix, every_rank=False, every_node=False):
     rank = global_rank()
     first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
     if rank == 0 or every_rank or (every_node and first_on_node):
-        say(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""), sys.stderr)
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
         time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
     sys.exit(2)
+
+
+def report_error(line):
+    """Say `line` on stderr and, under torchrun, hand it to torchrun as this worker's error (the file
+    named by TORCHELASTIC_ERROR_FILE, in the format torch.distributed.elastic's @record writes): its
+    report then shows our line as the root cause instead of `To enable traceback see: ...`.
+
+    torchrun names as root cause the failure with the earliest timestamp, in whole seconds, and on a
+    tie the lowest local rank. A peer ended by our exit is stamped when torchrun notices, often in the
+    same second, so ours is stamped one second earlier: the rank that found the problem comes first.
+    """
+    say(line, sys.stderr)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        stamp = str(int(time.time()) - 1)
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def refuse_launcher_flags(argv=None):
+    """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
+    one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
+    script = os.path.basename(__file__)
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {arg} {script} ...")
 
 
 def check_positive(args, *names):
@@ -915,23 +959,54 @@ def describe_checkpoint(path):
         state = None
     if not isinstance(state, dict):
         return "no checkpoint kept"
+    where = where_checkpoint_is(state)
+    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote the checkpoint `state` got ('' if it does not say)."""
     for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
         if isinstance(state.get(key), int):
-            return f"checkpoint at {unit} {state[key]} kept in {path}"
-    return f"checkpoint kept in {path}"
+            return f"{unit} {state[key]}"
+    return ""
+
+
+def continue_checkpoint(path, resume):
+    """Whether this run continues from checkpoint `path`. Asked (--resume): yes, and a missing file is
+    one error line. Unasked: only this job's own checkpoint (resumes_this_job: torchrun restarted the
+    job, or a node joined or left). Any other file there is neither continued nor overwritten without a
+    word: one error line says what it holds, which run wrote it, and the ways on."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    if resume or resumes_this_job(path):
+        return True
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        job = state.get("job")
+        found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+                 + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
+                    else f"torchrun job {job}")
+                 + f" at world size {state.get('world_size', '?')}")
+    except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
+        found = "a file that is not a checkpoint this script can read"
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
 
 
 @contextlib.contextmanager
 def explained_failures(timeout, checkpoint=None):
-    """Around one process's training: turn the two ways a job ends early into one line each.
+    """Around one process's training: turn the ways a job ends early into one line each.
 
-    A collective that waited longer than --timeout (gloo) names the ranks that did not arrive,
-    via a second gloo group: after a timeout the main group's connections are closed, this
-    one can still ask who is missing. (On NCCL the watchdog aborts the process first; see
-    prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every process leaves
-    at once with exit code 130. A checkpoint being written was already removed on the way
-    here (save_checkpoint is atomic), and a clean shutdown is not attempted: with the peers
-    gone, releasing DDP's reducer can wait on them for seconds.
+    A collective that failed (gloo) is explained by explain_collective_failure: a rank that
+    did not arrive, ranks that called different collectives, or a rank that was lost; the
+    line ends with the checkpoint a rerun resumes from. (On NCCL the watchdog aborts the
+    process first; see prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every
+    process leaves at once with exit code 130. A checkpoint being written was already removed
+    on the way here (save_checkpoint is atomic), and a clean shutdown is not attempted: with
+    the peers gone, releasing DDP's reducer can wait on them for seconds.
     """
     health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
         if dist.get_backend() == "gloo" else None
@@ -945,17 +1020,96 @@ def explained_failures(timeout, checkpoint=None):
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
             sys.stderr.flush()
             os._exit(130)
-        if health is None or "timed out" not in str(error).lower():
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
+        if line is None:
             raise
-        try:
-            dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)),
-                                   wait_all_ranks=True)
-            who = "every rank answered afterwards"
-        except RuntimeError as e:
-            who = str(e).strip().splitlines()[0]
-        say(f"error: a collective waited longer than --timeout {timeout:g} s ({who}) "
-            f"[rank {global_rank()}]", sys.stderr)
+        if line:
+            report_error(f"error: {line}; {describe_checkpoint(checkpoint)} [rank {global_rank()}]")
+        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
         raise SystemExit(1) from None
+
+
+def explain_collective_failure(error, health, timeout):
+    """What a failed gloo collective means, as one line; "" where another rank says it; None: not one.
+
+    A timeout: a monitored barrier over the second group `health` (whose connections the failure
+    left open) names the ranks that did not arrive; where every rank answers, none was stuck, so
+    they called different collectives, and each rank's call is gathered. TORCH_DISTRIBUTED_DEBUG
+    =DETAIL's check names both sides itself. A connection reset or closed: a peer was lost; the
+    ranks that still answer through the rendezvous store (which outlives gloo's connections)
+    tell which, and the lowest of them says it.
+    """
+    text, rank = str(error), global_rank()
+    roll_call()
+    sites = "; to see where they parted: TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)"
+    if "Detected mismatch between collectives" in text:  # every rank's check sees it: all gather
+        where = call_sites(error, health)
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+    if "connection reset" in text.lower() or "connection closed" in text.lower():
+        answered = roll_call(min(timeout, 5))
+        lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
+            return ""
+        return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
+                f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
+    if "timed out" not in text.lower():
+        return None
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
+    where = call_sites(error, health)
+    return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
+            f"was lost or frozen: the ranks called different collectives ({where}){sites}") if rank == 0 else ""
+
+
+def mismatch_of(text):
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in
+    Tensor shapes: 4 vs 3` from the text of TORCH_DISTRIBUTED_DEBUG=DETAIL's collective check."""
+    sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
+    described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
+                            for r, _, op, shape, dtype in sides)
+    differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
+    return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
+
+
+def call_sites(error, health=None):
+    """Where this script called the collective that failed: `rank 0 in \`dist.barrier()\` (train.py:80
+    in save)`, the innermost frame of this file; with `health`, every rank's, gathered over it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
+    mine = f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})" \
+        if frames else "an unknown call"
+    every = [mine]
+    if health is not None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=health)
+    ranks = {}
+    for r, site in enumerate(every):
+        ranks.setdefault(site, []).append(str(r if health is not None else global_rank()))
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
+
+
+def roll_call(seconds=0.0):
+    """Answer the roll call through the rendezvous store (it outlives gloo's connections), then return the
+    ranks that have answered within `seconds`: every rank whose collective failed answers at once, so a
+    rank that then exits is not taken for lost. None when the store itself is gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        keys = [f"{prefix}{r}" for r in range(dist.get_world_size())]
+        store.set(keys[global_rank()], "1")
+        if seconds:
+            try:
+                store.wait(keys, timedelta(seconds=seconds))
+            except RuntimeError:  # DistStoreError: a rank that never answers, the one we look for
+                pass
+        return [r for r, key in enumerate(keys) if store.check([key])]
+    except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
+        return None
 
 
 def check_same_on_every_rank(value, what, fix):
@@ -1003,7 +1157,7 @@ def replicas_in_sync(model, device):
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
     fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(verdicts)} ranks, fingerprint {fingerprint.item():.10e})")
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
     return not differ
 
 
@@ -1034,8 +1188,24 @@ def note_world_change(state, steps_per_epoch, batch_size):
     then, now = state.get("world_size"), dist.get_world_size()
     if then is not None and then != now:
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} x {now} samples (the batch per process stays, so the global batch and the "
-               f"steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
 
 
 def resumes_this_job(path):
@@ -1081,7 +1251,7 @@ def load_checkpoint(path, keys, model=None):
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
