@@ -1452,8 +1452,8 @@ def mismatch_of(text):
 
 
 def call_sites(error, health=None):
-    """Where this script called the collective that failed: `rank 0 in \`dist.barrier()\` (train.py:80
-    in save)`, the innermost frame of this file; with `health`, every rank's, gathered over it."""
+    """Where this script called the collective that failed: "rank 0 in `dist.barrier()` (train.py:80
+    in save)", the innermost frame of this file; with `health`, every rank's, gathered over it."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
     mine = f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})" \
         if frames else "an unknown call"
