@@ -72,7 +72,7 @@ DIAGNOSES = ("timeout", "detail", "flight")
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=2, metavar="N", help="epochs to train")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
                    help="samples per step, per process")
@@ -101,6 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
 
@@ -112,9 +113,7 @@ def check_args(args):
     if args.diagnose == "flight" and args.backend == "gloo" and not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
         fail(f"--diagnose flight: torch {torch.__version__} keeps no flight record for gloo (torch 2.7 records NCCL only)",
              "use --diagnose detail or timeout, or torch 2.14, whose gloo records")
-    if args.resume and not (args.checkpoint and os.path.exists(args.checkpoint)):
-        fail(f"--resume but no checkpoint at {args.checkpoint}", "pass the --checkpoint PATH an earlier run wrote",
-             every_node=True)  # this machine's files
+    args.resume = continue_checkpoint(args.checkpoint, args.resume)  # unasked: only this job's own (a restart)
     return args
 
 
@@ -345,8 +344,9 @@ def report(losses, every, elapsed, resumed_from, in_sync, counts, args):
         write_json(args.metrics, summary)
     print0(f"steps per rank: {steps} | skipped per rank: {skipped} | bad batches: {sum(bad)}"
            f" | {'the same on every rank' if same else 'RANKS DIFFER'}")
-    print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
-           f"torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | {args.epochs} epochs | "
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
+           f"({summary['backend']}) | "
+           f"torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | {plural(args.epochs, 'epoch')} | "
            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
     return same
 

@@ -85,7 +85,7 @@ FIXES = ("find_unused_parameters=True when the set changes from step to step, st
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     p.add_argument("--mode", default="find-unused", choices=MODES, help="what to reproduce or train (docstring)")
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=2, metavar="N", help="epochs to train")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=32, metavar="N",
@@ -104,6 +104,7 @@ def parse_args(argv=None):
     p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
 
@@ -631,8 +632,9 @@ def report(curve, elapsed, loader, in_sync, extra, device, args):
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     if args.mode != "bare":
-        print0(f"done: {summary['script']} --mode {args.mode} | {summary['world_size']} x {device.type} "
-               f"({summary['backend']}) | torch {torch.__version__} | {args.epochs} epochs | loss {curve[0]:.4f} -> "
+        print0(f"done: {summary['script']} --mode {args.mode} | {plural(summary['world_size'], 'process')} on "
+               f"{device.type} ({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | "
+               f"loss {curve[0]:.4f} -> "
                f"{curve[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 

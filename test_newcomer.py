@@ -1,6 +1,6 @@
 """Issue 22, a new user's first hour: the flags each script takes, checkpoints that never surprise,
 a failure under torchrun that torchrun reports as the root cause, help text that says each default
-once, and the README's "Port your own training loop" (docs/port_your_loop.md) followed literally.
+once, and the README's "Port your own training loop" (README.md) followed literally.
 
 Two launches in the default tier (the port and the root cause); everything else is in-process.
 """
@@ -28,10 +28,12 @@ TAKES = {
     "ddp_transformer.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_uneven.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_comm_hooks.py": COMMON,
+    "ddp_unused.py": COMMON,
+    "ddp_desync.py": COMMON | {"--checkpoint", "--resume"},
     "dp_baseline.py": COMMON | {"--nprocs"},
 }
 TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
-                    "ddp_comm_hooks.py")
+                    "ddp_comm_hooks.py", "ddp_unused.py", "ddp_desync.py")
 
 
 def load(name):
@@ -52,9 +54,14 @@ def help_text(name, monkeypatch):
     return out.getvalue()
 
 
+def test_the_table_names_every_script():
+    from test_layout import SCRIPTS
+    assert set(TAKES) == {*SCRIPTS, "ddp_minimal.py"}, "a script missing from TAKES (and the README's flags table)"
+
+
 @pytest.mark.parametrize("name", sorted(TAKES))
 def test_each_script_takes_the_flags_the_table_says(name, monkeypatch):
-    """The flags table (docs/port_your_loop.md and the README's contract) is what --help shows, and
+    """The flags table (the README's flags table) is what --help shows, and
     --help says each default once: never its own `(default: ...)` and argparse's appended one too."""
     text = help_text(name, monkeypatch)
     shown = {flag for flag in FLAGS if re.search(re.escape(flag) + r"\b", text)}
