@@ -363,8 +363,11 @@ def test_bench_default_plan_fits_and_the_rest_is_one_flag_away(capsys):
 
     args, default = sections()
     one_core = "OMP_NUM_THREADS=1"
-    assert default == [(section, name, n, one_core) for name in ("mlp", "convnet", "transformer")
-                       for section, n in (("scaling", 1), ("limit", 2), ("scaling", 2))]
+    # per model: 1 process on 1 core, the limit of 2 independent processes, 2 DDP processes, and one
+    # process on every core (with the first, the best one-process run the answer compares against)
+    assert default == [row for name in ("mlp", "convnet", "transformer")
+                       for row in (("scaling", name, 1, one_core), ("limit", name, 2, one_core),
+                                   ("scaling", name, 2, one_core), ("machine", name, 1, "auto"))]
     assert args.repeats == 3 and args.repeats * sum(bench.launch_estimate(s, args) for s in bench.plan(args)) < 480
     bench.print_plan(bench.plan(args), args)
     out = capsys.readouterr().out

@@ -706,7 +706,7 @@ def test_transformer_default_run_beats_the_unigram_entropy(run_sh):
     assert out.strip().splitlines()[-2].startswith("done:") and out.count("sample (") == 1  # then run.sh's "ok:"
     assert m["mfu"] is None and out.count("note: no MFU: no peak is known for the CPU") == 1  # no --peak_tflops
     spe = m["steps_per_epoch"]
-    assert f"| {m['max_steps']} steps = {m['max_steps'] / spe:.2f} epochs of {spe} steps of 1 x 8 x 2 windows" in out
+    assert f"| {m['max_steps']} steps = {m['max_steps'] / spe:.2f} epochs of {spe} steps of 1 micro-batch x 8 windows x 2 processes" in out
 
 
 # common English words, Zipf-weighted: a text unlike the default corpus, made without any file
@@ -820,7 +820,7 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     m2 = metrics(tmp_path / "m2.json")
     assert f"resuming from ck.pt at epoch {state['epoch']}, step {m1['steps']}" in out.stdout, out
     assert out.stdout.count("global batch kept: 16 windows a step") == 1, out
-    assert "here 1 processes x --batch_size 8 x --grad_accum 2" in out.stdout, out
+    assert "here 1 process x --batch_size 8 x --grad_accum 2" in out.stdout, out
     assert out.stdout.count("holds no fp16 loss scale: the GradScaler starts afresh") == 1, out
     assert m2["resumed_from_epoch"] == state["epoch"] and m2["steps"] == 4, m2
     # continued, not restarted: an untrained model starts near the first validation loss (4.8 on this corpus)
