@@ -371,7 +371,7 @@ def test_bench_default_plan_fits_and_the_rest_is_one_flag_away(capsys):
     assert args.repeats == 3 and args.repeats * sum(bench.launch_estimate(s, args) for s in bench.plan(args)) < 480
     bench.print_plan(bench.plan(args), args)
     out = capsys.readouterr().out
-    assert out.startswith("plan: 27 launches (9 settings x 3 repeats), 72 processes; about "), out
+    assert out.startswith("plan: 36 launches (12 settings x 3 repeats), 87 processes; about "), out
     assert "not in this run: --threads (the machine and threads sections); --extras (dp_vs_ddp, comm_hooks, " \
            "zero); --all adds every section" in out
     cores = f"OMP_NUM_THREADS={bench.cores()}"
