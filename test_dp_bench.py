@@ -372,19 +372,18 @@ def test_bench_default_plan_fits_and_the_rest_is_one_flag_away(capsys):
     bench.print_plan(bench.plan(args), args)
     out = capsys.readouterr().out
     assert out.startswith("plan: 36 launches (12 settings x 3 repeats), 87 processes; about "), out
-    assert "not in this run: --threads (the machine and threads sections); --extras (dp_vs_ddp, comm_hooks, " \
+    assert "not in this run: --threads (the threads section); --extras (dp_vs_ddp, comm_hooks, " \
            "zero); --all adds every section" in out
     cores = f"OMP_NUM_THREADS={bench.cores()}"
-    threads = [(section, name, n, policy) for name in ("mlp", "convnet", "transformer")
-               for section, n, policy in (("machine", 1, "auto"), ("threads", 2, cores))]
+    threads = [("threads", name, 2, cores) for name in ("mlp", "convnet", "transformer")]
     extras = [("dp_vs_ddp", "mlp", 2, "auto"), ("comm_hooks", "comm_hooks", 2, "auto"), ("zero", "zero", 2, "auto"),
               ("zero", "zero", 2, "auto")]
     assert sorted(sections("--threads")[1]) == sorted(default + threads)
     assert sections("--extras")[1] == default + extras
     assert sorted(sections("--all")[1]) == sorted(default + threads + extras)
     assert sorted(sections("--all", "--no-threads")[1]) == sorted(default + extras)
-    assert sections("--only", "mlp,dp_vs_ddp")[1] == default[:3] + extras[:1]
-    machine = next(s for s in bench.plan(sections("--threads")[0]) if s.section == "machine")
+    assert sections("--only", "mlp,dp_vs_ddp")[1] == default[:4] + extras[:1]
+    machine = next(s for s in bench.plan(args) if s.section == "machine")
     assert "OMP_NUM_THREADS" not in bench.launch_env("cpu", machine.omp, 1)  # the script splits the cores itself
     assert bench.expected_threads(machine, "cpu") == bench.cores()
     with pytest.raises(SystemExit):
