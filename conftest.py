@@ -3,6 +3,7 @@
 Every launch runs in its own process session so that a timeout (or a failing test)
 ends the launcher *and* every worker it started: no test leaves processes behind.
 """
+import faulthandler
 import fcntl
 import json
 import os
@@ -135,6 +136,41 @@ def run_sh(tmp_path_factory):
     return result
 
 
+# ---------------------------------------------------------------- a time bound for every test
+# pytest.ini bounds each test, its fixtures included, with pytest-timeout's thread method: a
+# collective stuck in C++ never returns to Python, so a signal's handler would never run. A test
+# that runs out fails with every thread's stack, its test process ends (os._exit) and xdist starts
+# another: the run goes on. That timer is a Python thread, which needs the GIL: should a C++ call
+# hold it, faulthandler's own watchdog thread (plain C) ends the process 60 s later instead.
+def pytest_configure(config):
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is not installed (pip install -r requirements.txt); "
+                                "without it a stuck collective hangs the suite")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    if settings.timeout:
+        faulthandler.dump_traceback_later(settings.timeout + 60, exit=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    """xdist reports a test whose process ended as failed, then queues it again with the rest of its
+    group (--dist loadgroup), where a stuck test would end one test process after another: the rest
+    of the group runs again, that test does not."""
+    queued = getattr(sched, "workqueue", {})
+    for group, unit in list(queued.items()):
+        unit.pop(crashitem, None)
+        if not unit:
+            del queued[group]
+
+
 # ---------------------------------------------------------------- two test processes (pytest-xdist)
 # pytest.ini runs the suite in 2 processes (`-n 2 --dist loadgroup`): most time is spent
 # waiting for launches, rendezvous and timeouts. Tests that share a module fixture stay
@@ -146,6 +182,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "run_sh" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("run_sh"))
+            item.add_marker(pytest.mark.timeout(960))  # run.sh's own bound (900 s) first
         elif item.path.name == "test_multihost.py":
             item.add_marker(pytest.mark.xdist_group("multihost"))
     items.sort(key=lambda item: "run_sh" not in item.fixturenames)  # stable: the rest keep their order

@@ -145,6 +145,7 @@ def assert_limit(row, one):
     assert row["of_limit"] == pytest.approx(row["efficiency"] / row["limit_efficiency"])
 
 
+@pytest.mark.timeout(700)  # its launches' own bounds first
 def test_bench_quick_writes_well_formed_results(launch, tmp_path):
     (tmp_path / "bench_results.json").write_text("a full run's results")
     out = launch(bench_command(), timeout=600)
@@ -229,6 +230,7 @@ def test_bench_answer_in_words_on_made_up_figures():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)  # its launches' own bounds first
 def test_bench_quick_all_sections(launch, tmp_path):
     """Every section once, on tiny workloads: every benchmark's scaling rows and limit, the whole
     machine, the thread policies, DP against DDP, the comm hooks and ZeRO."""

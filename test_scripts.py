@@ -380,6 +380,7 @@ def test_run_sh_help_lists_every_tested_mode(launch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(700)  # its launches' own bounds first
 def test_run_sh_feature_modes_pass(launch):
     """the MNIST hand-made launch (the default suite: run.sh's manual mode, the same launch of the linear
     model), resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each
@@ -843,6 +844,7 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
 
 # ---------------------------------------------------------------- torch.compile
 @pytest.mark.slow  # compiling on CPU (C++ kernels) takes 1-4 minutes on 2 busy cores, once per cold cache
+@pytest.mark.timeout(1260)  # its launches' own bounds first
 def test_transformer_compiled_ddp_trains_like_eager(launch, script, torchrun, metrics, tmp_path):
     """--compile (torch.compile around DDP) on 2 gloo ranks: the same training as eager, replicas agree."""
     data = small_corpus(tmp_path)
