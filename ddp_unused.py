@@ -805,9 +805,9 @@ def device_plan(kind, backend="auto", bf16=False):
     elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
         problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
                    f"{' and '.join(carries[default])} tensors", "use --device cpu")
-    else:
-        problem = (f"torch has no multi-process backend for {kind}",
-                   f"use --device cpu, or install the package that adds {kind} to torch")
+    else:  # mps too where torch maps no backend to it (torch 2.7): no package adds one
+        problem = (f"torch has no multi-process backend for {kind}", "use --device cpu" + (
+            "" if kind == "mps" else f", or install the package that adds {kind} to torch"))
     return {"backend": chosen, "amp": amp, "problem": problem}
 
 
@@ -835,7 +835,12 @@ def bf16_supported(device, emulated=False):
     counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
     plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
     if device.type == "cpu":
-        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+        if not hasattr(torch.cpu, "get_capabilities"):  # torch 2.7 cannot ask the CPU
+            if not emulated:
+                print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
+                       "natively (no torch.cpu.get_capabilities): taken as not")
+            return emulated
+        caps = torch.cpu.get_capabilities()
         return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
     check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
     if check is None:  # a module without the check: torch's own autocast default for the type
@@ -868,7 +873,8 @@ def check_local_rank(device, named, count=None):
     if device == "cpu":
         return
     local_rank = int(os.environ["LOCAL_RANK"])
-    count = torch.accelerator.device_count() if count is None else count
+    # the module's own count: torch 2.7's torch.accelerator.device_count() raises without a driver
+    count = torch.get_device_module(device).device_count() if count is None else count
     if local_rank < count:
         return
     if not named:
