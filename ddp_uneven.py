@@ -340,8 +340,10 @@ def optimizer_state_bytes(optimizer, device, args):
     return gather(torch.tensor([mine], device=device)).view(-1).tolist()
 
 
-def report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args):
-    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+def report(history, batches, memory, elapsed, resumed_from, checks, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line. memory: (the optimizer state bytes of
+    every rank, this rank's param_bytes, grad_bytes, optimizer_bytes and peak_memory_bytes)."""
+    state_bytes, counted = memory
     losses = [h["loss"] for h in history] or [float("nan")]
     trained = [sum(h["samples"]) for h in history]
     summary = {
@@ -354,7 +356,7 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
         "resumed_from_epoch": resumed_from, "join": args.join, "zero": args.zero, "imbalance": args.imbalance,
         "batches_per_rank": batches, "samples_per_rank": history[-1]["samples"] if history else [],
         "samples_trained": trained, "dataset_size": args.samples, "every_sample_once": checks["once"],
-        "optimizer_state_bytes_per_rank": state_bytes,
+        "optimizer_state_bytes_per_rank": state_bytes, **counted,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
@@ -364,8 +366,59 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
            f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
 
 
+class Memory:
+    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
+
+    The three are counted from this rank's tensors (a gradient is the size and dtype of its
+    parameter, held from the backward pass to the optimizer step). The peak is measured from
+    construction on: on an accelerator by torch's allocator (max_memory_allocated). On the CPU
+    torch keeps no such count, ru_maxrss is the whole life's peak with the libraries in it,
+    and tracemalloc sees Python's allocations, not torch's. So: the kernel's high-water mark
+    of resident memory (VmHWM, restarted here) less the file-backed pages (the libraries,
+    which torch pages in as it first uses them and which stay resident), less the anonymous
+    memory here: what the model, its gradients, the optimizer, the data and the activations added.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
+        self.base = self._status(reset=True).get("RssAnon") if device.type == "cpu" else 0
+
+    @staticmethod
+    def _status(reset=False):
+        """/proc/self/status's sizes in bytes (Linux; {} elsewhere); reset: restart VmHWM from now."""
+        try:
+            if reset:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            with open("/proc/self/status") as f:
+                return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                        if v.strip().endswith("kB")}
+        except OSError:
+            return {}
+
+    def count(self, model, optimizer):
+        """This rank's bytes (gradients: one per parameter, its size and dtype) and the peak: metrics keys."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+        params = size(model.parameters())
+        return {"param_bytes": params, "grad_bytes": params, "peak_memory_bytes": self.peak(),
+                "optimizer_bytes": size(t for st in optimizer.state.values() for t in st.values())}
+
+    def peak(self):
+        """Bytes at the peak since construction, as the class says; None where it cannot be measured."""
+        if self.device.type != "cpu":
+            return torch.accelerator.max_memory_allocated(self.device)
+        now = self._status()
+        if self.base is None or "VmHWM" not in now:
+            return None
+        return now["VmHWM"] - now.get("RssFile", 0) - now.get("RssShmem", 0) - self.base
+
+
 # ---------------------------------------------------------------- main
 def run(device, args):
+    memory = Memory(device)  # its peak counts from here
     dataset = make_dataset(args.samples, args.seed)
     loader = make_loader(dataset, device, args)
     model, optimizer, resumed_from = build(device, loader, args)
@@ -373,11 +426,12 @@ def run(device, args):
     history, batches = train(model, optimizer, loader, resumed_from, device, args)
     elapsed = time.perf_counter() - start
     state_bytes = optimizer_state_bytes(optimizer, device, args)
+    counted = memory.count(model.module, optimizer.optim if args.zero else optimizer)
     print0(f"optimizer state per rank: {' + '.join(f'{b:,}' for b in state_bytes)} bytes "
            f"({'ZeRO: each rank its shard' if args.zero else 'every rank all of it'})")
     checks = {"once": all(n == len(dataset) for n in (sum(h["samples"]) for h in history)),
               "in_sync": replicas_in_sync(model.module, device)}
-    report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args)
+    report(history, batches, (state_bytes, counted), elapsed, resumed_from, checks, device, args)
     return checks["once"] and checks["in_sync"]
 
 
