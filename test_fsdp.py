@@ -328,3 +328,9 @@ def test_torchrun_restart_resumes_from_the_last_complete_save(tmp_path):
     m = json.loads((tmp_path / "m.json").read_text())
     assert proc.returncode == 0 and m["restarts"] == 1 and m["max_steps"] == 300, out[-3000:]
     assert "resuming from ck" in out and m["replicas_in_sync"] is True, out[-3000:]
+
+
+@pytest.mark.slow
+def test_run_sh_fsdp_mode_passes(tmp_path):
+    result = run_bounded(["bash", ROOT / "run.sh", "fsdp"], tmp_path, timeout=600)
+    assert "1 passed, 0 failed" in result.stdout and "loads into ddp_transformer.Transformer" in result.stdout, result
