@@ -880,6 +880,11 @@ def memory_formula(formula, params, n):
 def memory_run(name, script, flags, n, args, folder):
     """One launch at N processes; its metrics (this rank's bytes: rank 0's), or None with a note."""
     metrics = os.path.join(folder, f"{name}-{n}.json")
+    if script != "ddp_uneven.py":  # a short text: the validation passes before and after are a few batches
+        text = os.path.join(folder, "text.txt")
+        with open(text, "w", encoding="utf-8") as f:
+            f.write(default_text(BENCHMARKS["transformer"])[:12_000])
+        flags = [*flags, "--data", text]
     cmd = [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", os.path.join(HERE, script),
            "--device", args.device, *flags, "--checkpoint", os.path.join(folder, f"{name}-{n}.ck"),
            "--metrics", metrics]
@@ -904,7 +909,8 @@ def memory_section(args):
                     failed = True
                     continue
                 params = m.get("params") or m["param_bytes"] // 4  # the MLP's metrics hold its bytes only
-                rows.append({"run": name, "world_size": n, "params": params, "peak_memory_bytes": m["peak_memory_bytes"],
+                rows.append({"run": name, "world_size": n, "params": params,
+                             "peak_memory_bytes": m["peak_memory_bytes"],
                              **{k: m[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
                              **{f"{k}_formula": memory_formula(f, params, n) for k, f in
                                 zip(("param_bytes", "grad_bytes", "optimizer_bytes"), formulas)},
@@ -927,8 +933,8 @@ def print_memory_table(rows):
         peak = f"{r['peak_memory_bytes'] / mib:14.1f}" if r["peak_memory_bytes"] is not None else f"{'n/a':>14}"
         print(f"{r['run']:<6} {r['world_size']:>2} {r['params'] / 1e6:6.2f}  {' '.join(f'{c:>20}' for c in cells)} "
               f"{total / mib:8.1f} {peak}")
-    print("peak: on CPU the resident memory added since the model was built (anonymous pages: the model, "
-          "optimizer, activations, and the runtime's own buffers); on GPUs max_memory_allocated")
+    print("peak measured: the most bytes of tensors alive at once on rank 0 (CPU: torch.profiler's allocations "
+          "and frees over the first two steps; GPU: max_memory_allocated); the rest is counted from the tensors")
 
 
 def main():

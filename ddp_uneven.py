@@ -371,32 +371,33 @@ class Memory:
 
     The three are counted from this rank's tensors (a gradient is the size and dtype of its
     parameter, held from the backward pass to the optimizer step). The peak is measured from
-    construction on: on an accelerator by torch's allocator (max_memory_allocated). On the CPU
-    torch keeps no such count, ru_maxrss is the whole life's peak with the libraries in it,
-    and tracemalloc sees Python's allocations, not torch's. So: the kernel's high-water mark
-    of resident memory (VmHWM, restarted here) less the file-backed pages (the libraries,
-    which torch pages in as it first uses them and which stay resident), less the anonymous
-    memory here: what the model, its gradients, the optimizer, the data and the activations added.
+    construction on, over the whole run: on an accelerator by torch's allocator (max_memory_allocated);
+    on the CPU, where torch keeps no such count (and the process's resident size holds the
+    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
+    allocation and free: the most bytes of tensors alive at once.
     """
 
     def __init__(self, device):
-        self.device = device
+        self.device, self.profiler, self.cpu_peak = device, None, None
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
-        self.base = self._status(reset=True).get("RssAnon") if device.type == "cpu" else 0
+        else:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.start()
 
-    @staticmethod
-    def _status(reset=False):
-        """/proc/self/status's sizes in bytes (Linux; {} elsewhere); reset: restart VmHWM from now."""
-        try:
-            if reset:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            with open("/proc/self/status") as f:
-                return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                        if v.strip().endswith("kB")}
-        except OSError:
-            return {}
+    def stop(self):
+        """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        alive = peak = 0
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            alive += event.nbytes()
+            peak = max(peak, alive)
+        self.profiler, self.cpu_peak = None, peak
 
     def count(self, model, optimizer):
         """This rank's bytes (gradients: one per parameter, its size and dtype) and the peak: metrics keys."""
@@ -407,13 +408,11 @@ class Memory:
                 "optimizer_bytes": size(t for st in optimizer.state.values() for t in st.values())}
 
     def peak(self):
-        """Bytes at the peak since construction, as the class says; None where it cannot be measured."""
+        """Bytes at the peak since construction, as the class says."""
         if self.device.type != "cpu":
             return torch.accelerator.max_memory_allocated(self.device)
-        now = self._status()
-        if self.base is None or "VmHWM" not in now:
-            return None
-        return now["VmHWM"] - now.get("RssFile", 0) - now.get("RssShmem", 0) - self.base
+        self.stop()
+        return self.cpu_peak
 
 
 # ---------------------------------------------------------------- main

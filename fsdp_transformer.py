@@ -969,8 +969,7 @@ class Trainer:
         self.log_sum += loss_sum
         self.log_count += tokens
         self.clock.stepped(step_tokens)
-        if self.steps == 1:
-            self.memory.count(self.model, self.optimizer)
+        self.memory.after_step(self.steps, self.model, self.optimizer)
         return loss_sum, tokens
 
     def _log(self):
@@ -1086,7 +1085,10 @@ class Throughput:
         """`8991 tokens/s (first step left out) | MFU 1.20%` for the steps since the reading `since`."""
         (seconds, tokens), (then_s, then_tokens) = self.reading(), since
         rate = (tokens - then_tokens) / (seconds - then_s) if seconds > then_s else 0.0
-        return f"{rate:.0f} tokens/s ({self.what_is_left_out()}){self.mfu_text(tokens - then_tokens, seconds - then_s)}"
+        # the run's first step falls in this stretch only when it starts at the beginning, before the clock
+        note = f" ({self.what_is_left_out()})" if since == (0.0, 0) else \
+            " (no compiling in it)" if self.compiling else ""
+        return f"{rate:.0f} tokens/s{note}{self.mfu_text(tokens - then_tokens, seconds - then_s)}"
 
     def mfu_since_mark(self):
         """The MFU of the steps since the last log line, for that line."""
@@ -1105,32 +1107,41 @@ class Memory:
 
     The three are counted from this rank's tensors (a gradient is the size and dtype of its
     parameter, held from the backward pass to the optimizer step). The peak is measured from
-    construction on: on an accelerator by torch's allocator (max_memory_allocated). On the CPU
-    torch keeps no such count, ru_maxrss is the whole life's peak with the libraries in it,
-    and tracemalloc sees Python's allocations, not torch's. So: the kernel's high-water mark
-    of resident memory (VmHWM, restarted here) less the file-backed pages (the libraries,
-    which torch pages in as it first uses them and which stay resident), less the anonymous
-    memory here: what the model, its gradients, the optimizer, the data and the activations added.
+    construction on, over the first two steps (the second is the first whose backward holds
+    the optimizer's state too): on an accelerator by torch's allocator (max_memory_allocated);
+    on the CPU, where torch keeps no such count (and the process's resident size holds the
+    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
+    allocation and free: the most bytes of tensors alive at once.
     """
 
     def __init__(self, device):
-        self.device, self.counted = device, {}
+        self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
-        self.base = self._status(reset=True).get("RssAnon") if device.type == "cpu" else 0
+        else:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.start()
 
-    @staticmethod
-    def _status(reset=False):
-        """/proc/self/status's sizes in bytes (Linux; {} elsewhere); reset: restart VmHWM from now."""
-        try:
-            if reset:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            with open("/proc/self/status") as f:
-                return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                        if v.strip().endswith("kB")}
-        except OSError:
-            return {}
+    def after_step(self, steps, model, optimizer):
+        """After this invocation's step `steps`: the bytes after the first, the peak's window ends after the second."""
+        if steps == 1:
+            self.count(model, optimizer)
+        if steps == 2:
+            self.stop()
+
+    def stop(self):
+        """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        alive = peak = 0
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            alive += event.nbytes()
+            peak = max(peak, alive)
+        self.profiler, self.cpu_peak = None, peak
 
     def count(self, model, optimizer):
         """After the first step (AdamW makes its state then): this rank's bytes, gathered from every rank."""
@@ -1150,13 +1161,11 @@ class Memory:
                f"{' + '.join(f'{int(e.sum()) / 2**20:.2f}' for e in every)} MiB)")
 
     def peak(self):
-        """Bytes at the peak since construction, as the class says; None where it cannot be measured."""
+        """Bytes at the peak since construction, as the class says."""
         if self.device.type != "cpu":
             return torch.accelerator.max_memory_allocated(self.device)
-        now = self._status()
-        if self.base is None or "VmHWM" not in now:
-            return None
-        return now["VmHWM"] - now.get("RssFile", 0) - now.get("RssShmem", 0) - self.base
+        self.stop()
+        return self.cpu_peak
 
 
 # ---------------------------------------------------------------- main
@@ -1248,9 +1257,8 @@ def report(trainer, history, epochs, losses, in_sync, args):
     print0(f"validation loss {first_val:.4f} -> {val:.4f}\nthroughput: {clock.rate_since((0.0, 0))} on "
            f"{summary['world_size']} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + "
            f"attention) | first step {clock.first_step_s:.1f} s")
-    if summary["peak_memory_bytes"] is not None:
-        print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB "
-               + ("allocated on the device" if trainer.device.type != "cpu" else "resident, above the start-up's"))
+    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
+           + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
