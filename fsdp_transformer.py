@@ -292,7 +292,7 @@ def resolve_amp(amp, device):
 
 
 def cleanup():
-    release_ddp()  # DDP's reducer goes before the group it talks through
+    release_ddp()  # the sharded model's hooks and buffers go before the group they talk through (harness)
     dist.destroy_process_group()
 
 
@@ -706,7 +706,9 @@ def read_checkpoint(args, vocab):
     if state["vocab"] != vocab:
         fail(f"checkpoint {args.checkpoint} was trained on text with another vocabulary",
              "pass the same --data/--dataset as the run that wrote it")
-    check_tensors(os.path.join(args.checkpoint, state["folder"]), Transformer(**config).to("meta"))
+    with torch.device("meta"):  # the shapes only: no memory for weights
+        shapes = Transformer(**config)
+    check_tensors(os.path.join(args.checkpoint, state["folder"]), shapes)
     return state
 
 
