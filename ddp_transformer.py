@@ -58,6 +58,7 @@ check) is in the harness block at the end of the file, the same in every script.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import atexit
 import contextlib
 import hashlib
 import math
@@ -972,6 +973,7 @@ class Memory:
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)
             self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
 
     def after_step(self, steps, model, optimizer):
         """After this invocation's step `steps`: the bytes after the first, the peak's window ends after the second."""

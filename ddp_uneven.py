@@ -39,6 +39,7 @@ files) is in the harness block at the end of the file, the same in every script.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import atexit
 import contextlib
 import itertools
 import os
@@ -386,6 +387,7 @@ class Memory:
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)
             self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
 
     def stop(self):
         """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""

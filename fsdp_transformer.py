@@ -55,6 +55,7 @@ DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, 
 
 # ---------------------------------------------------------------- imports
 import argparse
+import atexit
 import contextlib
 import hashlib
 import json
@@ -773,7 +774,9 @@ class SafeReader(FileSystemReader):
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
             raise ValueError("a checkpoint entry is not a tensor")
-        return super().read_data(plan, planner)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
+            return super().read_data(plan, planner)
 
 
 def commit_checkpoint(root, folder, state):
@@ -922,8 +925,10 @@ class Trainer:
         tensors, groups = self._tensors()
         try:
             dcp.load(tensors, storage_reader=SafeReader(os.path.join(self.args.checkpoint, state["folder"])))
-        except Exception as e:  # DCP gathers every rank's failure into one exception
-            fail(f"cannot read checkpoint {self.args.checkpoint} ({str(e).strip().splitlines()[-1][:150]})",
+        except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            why = next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()
+            fail(f"cannot read checkpoint {self.args.checkpoint} ({why[-150:]})",
                  "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
@@ -1125,6 +1130,7 @@ class Memory:
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)
             self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
 
     def after_step(self, steps, model, optimizer):
         """After this invocation's step `steps`: the bytes after the first, the peak's window ends after the second."""

@@ -276,7 +276,14 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     marker = tmp_path / "payload-ran"
     (poisoned / pointer["folder"] / ".metadata").write_bytes(pickle.dumps(Payload(str(marker))))
     payload = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", poisoned, "--resume", check=False)
-    for result, words in ((other, "d_model=128"), (cut, "incomplete"), (payload, "refused unread")):
+    entry = tmp_path / "entry"  # a tensor entry of rank 0's shard file replaced by the payload
+    subprocess.run(["cp", "-r", tmp_path / "ck", entry], check=True)
+    shard = entry / pointer["folder"] / "__0_0.distcp"
+    data, blob = shard.read_bytes(), pickle.dumps(Payload(str(marker)))
+    shard.write_bytes(blob + data[len(blob):])
+    in_entry = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", entry, "--resume", check=False)
+    for result, words in ((other, "d_model=128"), (cut, "incomplete"), (payload, "refused unread"),
+                          (in_entry, "Unsupported operand")):
         # the worker exits 2; torchrun reports a failed worker with its own exit code, 1
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode != 0 and len(errors) == 1 and words in errors[0], str(result)
