@@ -291,6 +291,22 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     assert not marker.exists()
 
 
+def workers_of(torchrun):
+    """The pids of torchrun's workers: its children, which it starts in sessions of their own."""
+    found = subprocess.run(["pgrep", "-P", str(torchrun.pid)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def kill_job(torchrun):
+    """SIGKILL torchrun's workers and torchrun itself at once: the whole job dies where it stands."""
+    for pid in workers_of(torchrun):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    kill_group(torchrun)
+
+
 @pytest.mark.slow
 def test_a_job_killed_mid_save_resumes_from_the_last_complete_save(tmp_path):
     """Saves every step; the whole job is SIGKILLed at moments spread over the saves; each time the
@@ -306,7 +322,7 @@ def test_a_job_killed_mid_save_resumes_from_the_last_complete_save(tmp_path):
                 time.sleep(0.05)
             time.sleep(delay)
         finally:
-            kill_group(proc)
+            kill_job(proc)
             proc.communicate()
         pointer = json.loads((ck / "latest.json").read_text())
         assert (ck / pointer["folder"] / ".metadata").exists(), pointer
@@ -327,12 +343,10 @@ def test_torchrun_restart_resumes_from_the_last_complete_save(tmp_path):
         deadline = time.monotonic() + 240
         while not (tmp_path / "ck" / "latest.json").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        workers = subprocess.run(["pgrep", "-f", "-s", str(proc.pid), "fsdp_transformer.py"], capture_output=True,
-                                 text=True).stdout.split()
-        os.kill(int(max(workers, key=int)), signal.SIGKILL)  # the youngest: a worker, not torchrun
+        os.kill(max(workers_of(proc)), signal.SIGKILL)  # one worker dies; torchrun restarts the job
         out, _ = proc.communicate(timeout=600)
     finally:
-        kill_group(proc)
+        kill_job(proc)
     m = json.loads((tmp_path / "m.json").read_text())
     assert proc.returncode == 0 and m["restarts"] == 1 and m["max_steps"] == 300, out[-3000:]
     assert "resuming from ck" in out and m["replicas_in_sync"] is True, out[-3000:]
