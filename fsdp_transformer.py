@@ -226,7 +226,7 @@ def fill_defaults(args):
         args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
     if args.epochs is None and args.max_steps is None:
         args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
-    if resumes_this_job(args.checkpoint):
+    if continues_this_job(args.checkpoint):
         args.resume = True  # torchrun restarted this job (a failure, a node joined or left): continue it
     return args
 
@@ -789,9 +789,10 @@ def commit_checkpoint(root, folder, state):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def resumes_this_job(root):
+def continues_this_job(root):
     """Whether this torchrun worker should continue the checkpoint in folder `root` without --resume:
-    torchrun restarted this job (its id, TORCHELASTIC_RUN_ID, is in the pointer), as in ddp_transformer.py."""
+    torchrun restarted this job (its id, TORCHELASTIC_RUN_ID, is in the pointer), as the harness's
+    resumes_this_job tells for a checkpoint file."""
     try:
         with open(os.path.join(root, POINTER), encoding="utf-8") as f:
             job = json.load(f).get("job")

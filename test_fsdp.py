@@ -337,8 +337,9 @@ def test_torchrun_restart_resumes_from_the_last_complete_save(tmp_path):
     cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", "--max-restarts=1", SCRIPT, *COMMON[:2],
            "--max_steps", "300", "--sample", "0", "--save_every_steps", "5", "--checkpoint", "ck",
            "--metrics", "m.json"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cpu_env(), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    # restarted workers must not read the first attempt's addresses from a shared store (pytorch#135712)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cpu_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "ck" / "latest.json").exists() and time.monotonic() < deadline:
