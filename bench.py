@@ -188,6 +188,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, metavar="PATH",
                    help="where to write the results (default: bench_results.json; bench_quick.json with --quick, "
                         "so that a plumbing check never replaces a measurement)")
+    p.add_argument("--memory", action="store_true",
+                   help="only the memory section: bytes per rank of DDP, ZeRO and FSDP2 at N = 1, 2, 4 at one model "
+                        "size, beside their formulas; writes --memory_out (about 3 minutes on 2 cores)")
+    p.add_argument("--memory_out", default="bench_memory.json", metavar="PATH",
+                   help="where the memory section writes its rows (default: %(default)s)")
     p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
                    help="one device's peak dense TFLOP/s, given to ddp_transformer.py for the MFU of its rows "
                         "(default: its own table of GPUs; on CPU none, and no MFU)")
@@ -943,9 +948,88 @@ def run_plan(runnable, flags, args, started):
             for r in done:
                 print(row_line(r), flush=True)
 
+# ---------------------------------------------------------------- memory: DDP, ZeRO and FSDP2 at one model size
+# One model size for all three: the Transformer of about 10.7 M parameters (d_model 384, 6 blocks), and
+# ddp_uneven.py's MLP at width 1636 (10.8 M): what differs is which of the 16 bytes a parameter (fp32
+# weights 4, gradients 4, AdamW's two moments 8) each rank keeps. Short runs: the bytes are counted after the
+# first step, the peak is measured over the run.
+MEMORY_TRANSFORMER = ["--d_model", "384", "--num_layers", "6", "--num_heads", "6", "--block_size", "64",
+                      "--batch_size", "2", "--max_steps", "3", "--sample", "0", "--log_every", "0"]
+MEMORY_RUNS = (  # name, script, flags, formula per rank of (parameters, gradients, optimizer state) in P and N
+    ("DDP", "ddp_transformer.py", MEMORY_TRANSFORMER, ("4P", "4P", "8P")),
+    ("ZeRO", "ddp_uneven.py", ["--zero", "--width", "1636", "-e", "1", "--samples", "256"], ("4P", "4P", "8P/N")),
+    ("FSDP2", "fsdp_transformer.py", MEMORY_TRANSFORMER, ("4P/N", "4P/N", "8P/N")),
+)
+
+
+def memory_formula(formula, params, n):
+    return 4 * params * (2 if formula.startswith("8") else 1) / (n if formula.endswith("/N") else 1)
+
+
+def memory_run(name, script, flags, n, args, folder):
+    """One launch at N processes; its metrics (this rank's bytes: rank 0's), or None with a note."""
+    metrics = os.path.join(folder, f"{name}-{n}.json")
+    if script != "ddp_uneven.py":  # a short text: the validation passes before and after are a few batches
+        text = os.path.join(folder, "text.txt")
+        with open(text, "w", encoding="utf-8") as f:
+            f.write(default_text(BENCHMARKS["transformer"])[:12_000])
+        flags = [*flags, "--data", text]
+    cmd = [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", os.path.join(HERE, script),
+           "--device", args.device, *flags, "--checkpoint", os.path.join(folder, f"{name}-{n}.ck"),
+           "--metrics", metrics]
+    started = time.monotonic()
+    code, out, err = run_bounded(cmd, folder, launch_env(args.device, None, n), args.timeout)
+    print(f"[memory] {name} N={n}: exit {code} in {time.monotonic() - started:.0f} s", flush=True)
+    if code != 0:
+        print(f"FAILED {name} N={n}: {(err or out).strip().splitlines()[-1:]}", flush=True)
+        return None
+    with open(metrics) as f:
+        return json.load(f)
+
+
+def memory_section(args):
+    """Bytes per rank of DDP / ZeRO / FSDP2 at N = 1, 2, 4, measured beside the formula; 1 if a run failed."""
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory() as folder:
+        for name, script, flags, formulas in MEMORY_RUNS:
+            for n in (1, 2, 4):
+                m = memory_run(name, script, flags, n, args, folder)
+                if m is None:
+                    failed = True
+                    continue
+                params = m.get("params") or m["param_bytes"] // 4  # the MLP's metrics hold its bytes only
+                rows.append({"run": name, "world_size": n, "params": params,
+                             "peak_memory_bytes": m["peak_memory_bytes"],
+                             **{k: m[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
+                             **{f"{k}_formula": memory_formula(f, params, n) for k, f in
+                                zip(("param_bytes", "grad_bytes", "optimizer_bytes"), formulas)},
+                             "formulas": formulas, "device": m["device"], "torch": m["torch"]})
+    print_memory_table(rows)
+    write_json(args.memory_out, rows)
+    print(f"wrote {len(rows)} rows to {os.path.abspath(args.memory_out)}", flush=True)
+    return 1 if failed else 0
+
+
+def print_memory_table(rows):
+    mib = 2 ** 20
+    print("\nmemory per rank (rank 0), MiB: measured (formula; P parameters, N processes)")
+    print(f"{'run':<6} {'N':>2} {'P (M)':>6}  {'parameters':>20} {'gradients':>20} {'optimizer':>20} "
+          f"{'sum':>8} {'peak measured':>14}")
+    for r in rows:
+        cells = [f"{r[k] / mib:7.1f} ({f} {r[k + '_formula'] / mib:6.1f})" for k, f in
+                 zip(("param_bytes", "grad_bytes", "optimizer_bytes"), r["formulas"])]
+        total = sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        peak = f"{r['peak_memory_bytes'] / mib:14.1f}" if r["peak_memory_bytes"] is not None else f"{'n/a':>14}"
+        print(f"{r['run']:<6} {r['world_size']:>2} {r['params'] / 1e6:6.2f}  {' '.join(f'{c:>20}' for c in cells)} "
+              f"{total / mib:8.1f} {peak}")
+    print("peak measured: the most bytes of tensors alive at once on rank 0 (CPU: torch.profiler's allocations "
+          "and frees over the first two steps; GPU: max_memory_allocated); the rest is counted from the tensors")
+
 
 def main():
     args = check_args(parse_args())
+    if args.memory:
+        sys.exit(memory_section(args))
     # a SIGTERM unwinds like Ctrl-C, so the launch in flight is killed with all its processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started, load_before = time.monotonic(), os.getloadavg()

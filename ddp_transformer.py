@@ -58,6 +58,7 @@ check) is in the harness block at the end of the file, the same in every script.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import atexit
 import contextlib
 import hashlib
 import math
@@ -86,6 +87,8 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
+# What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
+COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 
 
 # ---------------------------------------------------------------- arguments
@@ -759,7 +762,7 @@ def wrap(model, device, args):
 class Trainer:
     """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
 
-    def __init__(self, model, data, optimizer, scaler, device, args, checkpoint=None):
+    def __init__(self, model, data, optimizer, scaler, device, args, checkpoint=None, memory=None):
         self.model = model  # the unwrapped module: evaluate, sample and save this one
         self.train_set, self.val_set, self.vocab, self.config = data
         self.optimizer, self.scaler, self.device, self.args = optimizer, scaler, device, args
@@ -776,12 +779,12 @@ class Trainer:
         self.total, self.epochs = run_length(self.steps_per_epoch, args)
         self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
         peak, self.peak_source = device_peak(args, device)
-        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
-        self.flops_per_token = flops_per_token(model, args.block_size)
-        # this invocation: optimizer steps, tokens of all ranks and seconds after the first step, that step's
-        # seconds, where the log interval began (time, tokens), windows per epoch, seconds per checkpoint
-        self.steps, self.tokens, self.seconds, self.clock, self.first_step_s = 0, 0, 0.0, None, 0.0
-        self.mark, self.windows, self.save_s = None, [], []
+        # the peak of every device in use, for the MFU
+        self.clock = Throughput(flops_per_token(model, args.block_size), peak * dist.get_world_size() if peak
+                                else None, device, args.compile)
+        self.memory = memory or Memory(device)  # train()'s counts its peak from before the model was built
+        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
+        self.steps, self.windows, self.save_s, self.logged = 0, [], [], {}
         self.log_sum, self.log_count = torch.zeros((), device=device), 0
 
     def _load_checkpoint(self, state):
@@ -809,14 +812,7 @@ class Trainer:
                             self.args.checkpoint)  # save_checkpoint adds the world size and the job
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
-        self._not_training(self.save_s[-1])
-
-    def _not_training(self, spent):
-        """Leave `spent` seconds (evaluation, a checkpoint) out of the throughput and the next line's MFU."""
-        if self.clock is not None:
-            self.seconds -= spent
-            if self.mark is not None:
-                self.mark = (self.mark[0] + spent, self.mark[1])
+        self.clock.left_out(self.save_s[-1])
 
     def validate(self):
         """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
@@ -835,37 +831,21 @@ class Trainer:
         self.step, self.steps = self.step + 1, self.steps + 1
         self.log_sum += loss_sum
         self.log_count += tokens
-        if self.clock is None:  # the clock starts after the first step: allocation, compilation
-            if self.device.type != "cpu":
-                torch.accelerator.synchronize(self.device)
-            self.clock = time.perf_counter()
-            self.first_step_s = self.clock - self.started
-            self.mark = (self.clock, 0)
-        else:
-            self.tokens += step_tokens
+        self.clock.stepped(step_tokens)
+        self.memory.after_step(self.steps, self.model, self.optimizer)
         return loss_sum, tokens
-
-    def mfu_text(self, tokens, seconds):
-        """` | MFU 41.20%`: model FLOPs per second over the peak of every device in use (none unknown)."""
-        if not self.peak or not seconds > 0:
-            return ""
-        return f" | MFU {100 * tokens * self.flops_per_token / seconds / self.peak:.2f}%"
 
     def _log(self):
         args, step = self.args, self.step
         if args.log_every and step % args.log_every == 0:
             loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
-            self.log_sum, self.log_count = torch.zeros((), device=self.device), 0
-            now, mfu = time.perf_counter(), ""
-            if self.mark is not None:  # the MFU of the steps since the last line (the first step left out)
-                mfu = self.mfu_text(self.tokens - self.mark[1], now - self.mark[0])
-                self.mark = (now, self.tokens)
+            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
             print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
-                   + mfu)
+                   + self.clock.mfu_since_mark())
         if args.eval_every and step % args.eval_every == 0 and step < self.total:
             start = time.perf_counter()
             print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
-            self._not_training(time.perf_counter() - start)
+            self.clock.left_out(time.perf_counter() - start)
 
     def _run_epoch(self, epoch):
         """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
@@ -887,29 +867,169 @@ class Trainer:
 
     def train(self):
         """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
-        history, ended, self.started = [], self.epochs_run, time.perf_counter()
+        history, ended = [], self.epochs_run
+        self.clock.start()
         for epoch in range(self.epochs_run, self.epochs):
             if self.step >= self.total:
                 break
-            start = time.perf_counter()
+            start, since = time.perf_counter(), self.clock.reading()
             loss, done, windows = self._run_epoch(epoch)
             seconds = time.perf_counter() - start
             history.append(loss)
             self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
             ended = epoch + 1
             self._save_checkpoint(epoch)
-            tokens = windows * self.args.block_size
             print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-                   f"{windows} windows | {tokens / seconds:.0f} tokens/s{self.mfu_text(tokens, seconds)} | "
-                   f"{seconds:.2f} s | checkpoint {self.args.checkpoint}")
+                   f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
+                   f"checkpoint {self.args.checkpoint}")
             self.windows_in_epoch = 0  # the next epoch starts at its beginning
-        if self.clock is not None:
-            self.seconds += time.perf_counter() - self.clock
+        self.clock.stop()
         return history, ended
+
+
+class Throughput:
+    """The clock behind tokens/s and MFU, kept apart so that the Trainer shows the loop.
+
+    It starts after the first step, which allocates (and with --compile compiles) and would
+    dominate a short run; the seconds of evaluation and checkpoints are left out. Every figure
+    printed comes from here, so the epoch lines and the summary count the same way and say so.
+    """
+
+    def __init__(self, flops_per_token, peak, device, compiling):
+        self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
+        # tokens of all ranks after the first step; seconds left out; the clock's start; the log line's mark
+        self.tokens, self.skipped, self.clock, self.first_step_s, self.mark = 0, 0.0, None, 0.0, (0.0, 0)
+        self.started = self.stopped = None
+
+    def start(self):
+        self.started = time.perf_counter()
+        if self.compiling:  # otherwise the first step is a minute of silence
+            print0(f"compiling: the first step compiles the model before it trains ({COMPILE_TIME}); "
+                   "tokens/s and MFU leave it out")
+
+    def stepped(self, step_tokens):
+        """After each optimizer step: the first one starts the clock, the others count their tokens."""
+        if self.clock is None:
+            if self.device.type != "cpu":
+                torch.accelerator.synchronize(self.device)
+            self.clock = time.perf_counter()
+            self.first_step_s = self.clock - self.started
+            if self.compiling:
+                print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
+        else:
+            self.tokens += step_tokens
+
+    def left_out(self, seconds):
+        """Leave `seconds` (evaluation, a checkpoint) out of the throughput."""
+        if self.clock is not None:
+            self.skipped += seconds
+
+    def stop(self):
+        self.stopped = time.perf_counter()
+
+    def reading(self):
+        """(training seconds, tokens) after the first step, evaluation and checkpoints left out."""
+        if self.clock is None:
+            return 0.0, 0
+        return (self.stopped or time.perf_counter()) - self.clock - self.skipped, self.tokens
+
+    def seconds(self):
+        return self.reading()[0]
 
     def tokens_per_s(self):
         """Training tokens per second of all ranks together, after the first step."""
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        seconds, tokens = self.reading()
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def what_is_left_out(self):
+        return "first step (compiling) left out" if self.compiling else "first step left out"
+
+    def rate_since(self, since):
+        """`8991 tokens/s (first step left out) | MFU 1.20%` for the steps since the reading `since`."""
+        (seconds, tokens), (then_s, then_tokens) = self.reading(), since
+        rate = (tokens - then_tokens) / (seconds - then_s) if seconds > then_s else 0.0
+        # the run's first step falls in this stretch only when it starts at the beginning, before the clock
+        note = f" ({self.what_is_left_out()})" if since == (0.0, 0) else \
+            " (no compiling in it)" if self.compiling else ""
+        return f"{rate:.0f} tokens/s{note}{self.mfu_text(tokens - then_tokens, seconds - then_s)}"
+
+    def mfu_since_mark(self):
+        """The MFU of the steps since the last log line, for that line."""
+        now, self.mark = self.mark, self.reading()
+        return self.mfu_text(self.mark[1] - now[1], self.mark[0] - now[0]) if now[1] or self.mark[1] else ""
+
+    def mfu_text(self, tokens, seconds):
+        """` | MFU 41.20%`: model FLOPs per second over the peak of every device in use (none unknown)."""
+        if not self.peak or not seconds > 0:
+            return ""
+        return f" | MFU {100 * tokens * self.flops_per_token / seconds / self.peak:.2f}%"
+
+
+class Memory:
+    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
+
+    The three are counted from this rank's tensors (a gradient is the size and dtype of its
+    parameter, held from the backward pass to the optimizer step). The peak is measured from
+    construction on, over the first two steps (the second is the first whose backward holds
+    the optimizer's state too): on an accelerator by torch's allocator (max_memory_allocated);
+    on the CPU, where torch keeps no such count (and the process's resident size holds the
+    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
+    allocation and free: the most bytes of tensors alive at once.
+    """
+
+    def __init__(self, device):
+        self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
+        else:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
+
+    def after_step(self, steps, model, optimizer):
+        """After this invocation's step `steps`: the bytes after the first, the peak's window ends after the second."""
+        if steps == 1:
+            self.count(model, optimizer)
+        if steps == 2:
+            self.stop()
+
+    def stop(self):
+        """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        alive = peak = 0
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            alive += event.nbytes()
+            peak = max(peak, alive)
+        self.profiler, self.cpu_peak = None, peak
+
+    def count(self, model, optimizer):
+        """After the first step (AdamW makes its state then): this rank's bytes, gathered from every rank."""
+        def size(t):
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+            return t.numel() * t.element_size()
+        params = sum(size(p) for p in model.parameters())
+        mine = torch.tensor([params, params, sum(size(t) for st in optimizer.state.values()
+                                                 for t in st.values() if torch.is_tensor(t))], device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        names = ("param_bytes", "grad_bytes", "optimizer_bytes")
+        self.counted = {**dict(zip(names, mine.tolist())),
+                        "memory_per_rank": {n: [int(e[i]) for e in every] for i, n in enumerate(names)}}
+        print0(f"memory per rank: parameters {params / 2**20:.2f} MiB | gradients {params / 2**20:.2f} MiB | "
+               f"optimizer state {mine[2].item() / 2**20:.2f} MiB (rank 0's; all ranks: "
+               f"{' + '.join(f'{int(e.sum()) / 2**20:.2f}' for e in every)} MiB)")
+
+    def peak(self):
+        """Bytes at the peak since construction, as the class says."""
+        if self.device.type != "cpu":
+            return torch.accelerator.max_memory_allocated(self.device)
+        self.stop()
+        return self.cpu_peak
 
 
 # ---------------------------------------------------------------- main
@@ -921,10 +1041,11 @@ def train(device, args, corpus, checkpoint):
                              "another Python version or file on another node? pass --data PATH on a "
                              "file system every node sees")
     config = model_config(args, vocab)
+    memory = Memory(device)  # its peak counts from here
     model = Transformer(**config).to(device)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16 needs loss scaling
     trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
-                      make_optimizer(model, args), scaler, device, args, checkpoint)
+                      make_optimizer(model, args), scaler, device, args, checkpoint, memory)
     # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
     # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
     check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
@@ -960,7 +1081,8 @@ def describe(trainer, name, entropy):
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    print0(f"MFU against {world} x {trainer.peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if trainer.peak
+    peak = trainer.clock.peak
+    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
            else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
     print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
@@ -971,31 +1093,36 @@ def describe(trainer, name, entropy):
 def report(trainer, history, epochs, losses, in_sync, args):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
     first_val, val, entropy = losses
-    tokens_per_s, fpt = trainer.tokens_per_s(), trainer.flops_per_token
+    clock, fpt = trainer.clock, trainer.clock.flops_per_token
+    tokens_per_s, peak = clock.tokens_per_s(), clock.peak
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
         "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
         "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "block_size": args.block_size, "elapsed_s": trainer.seconds, "first_step_s": trainer.first_step_s,
+        "block_size": args.block_size, "elapsed_s": clock.seconds(), "first_step_s": clock.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": trainer.peak,
-        "mfu": tokens_per_s * fpt / trainer.peak if trainer.peak else None, "peak_source": trainer.peak_source,
+        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
+        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
         "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
         "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
         "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
-        "losses": history, "first_val_loss": first_val, "val_loss": val, "unigram_entropy": entropy,
+        "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
+        "unigram_entropy": entropy,
         "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "throughput_excludes": clock.what_is_left_out() + ", evaluation and checkpoints left out",
+        **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}")
     if trainer.steps:  # a resumed run with nothing left to train has no speed to report
-        print0(f"throughput: {tokens_per_s:.0f} tokens/s on {plural(summary['world_size'], 'process')} | "
-               f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention)"
-               f"{trainer.mfu_text(trainer.tokens, trainer.seconds)} | first step {trainer.first_step_s:.1f} s"
-               + (" (compiling)" if args.compile else ""))
+        print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
+               f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
+               f"{clock.first_step_s:.1f} s" + (" (compiling)" if args.compile else ""))
+    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
+           + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "

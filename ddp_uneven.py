@@ -39,6 +39,7 @@ files) is in the harness block at the end of the file, the same in every script.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import atexit
 import contextlib
 import itertools
 import os
@@ -342,8 +343,10 @@ def optimizer_state_bytes(optimizer, device, args):
     return gather(torch.tensor([mine], device=device)).view(-1).tolist()
 
 
-def report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args):
-    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+def report(history, batches, memory, elapsed, resumed_from, checks, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line. memory: (the optimizer state bytes of
+    every rank, this rank's param_bytes, grad_bytes, optimizer_bytes and peak_memory_bytes)."""
+    state_bytes, counted = memory
     losses = [h["loss"] for h in history]
     trained = [sum(h["samples"]) for h in history]
     summary = {
@@ -356,7 +359,7 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
         "resumed_from_epoch": resumed_from, "join": args.join, "zero": args.zero, "imbalance": args.imbalance,
         "batches_per_rank": batches, "samples_per_rank": history[-1]["samples"] if history else [],
         "samples_trained": trained, "dataset_size": args.samples, "every_sample_once": checks["once"],
-        "optimizer_state_bytes_per_rank": state_bytes,
+        "optimizer_state_bytes_per_rank": state_bytes, **counted,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
@@ -369,8 +372,59 @@ def report(history, batches, state_bytes, elapsed, resumed_from, checks, device,
            f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
 
 
+class Memory:
+    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
+
+    The three are counted from this rank's tensors (a gradient is the size and dtype of its
+    parameter, held from the backward pass to the optimizer step). The peak is measured from
+    construction on, over the whole run: on an accelerator by torch's allocator (max_memory_allocated);
+    on the CPU, where torch keeps no such count (and the process's resident size holds the
+    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
+    allocation and free: the most bytes of tensors alive at once.
+    """
+
+    def __init__(self, device):
+        self.device, self.profiler, self.cpu_peak = device, None, None
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
+        else:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
+
+    def stop(self):
+        """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        alive = peak = 0
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            alive += event.nbytes()
+            peak = max(peak, alive)
+        self.profiler, self.cpu_peak = None, peak
+
+    def count(self, model, optimizer):
+        """This rank's bytes (gradients: one per parameter, its size and dtype) and the peak: metrics keys."""
+        def size(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+        params = size(model.parameters())
+        return {"param_bytes": params, "grad_bytes": params, "peak_memory_bytes": self.peak(),
+                "optimizer_bytes": size(t for st in optimizer.state.values() for t in st.values())}
+
+    def peak(self):
+        """Bytes at the peak since construction, as the class says."""
+        if self.device.type != "cpu":
+            return torch.accelerator.max_memory_allocated(self.device)
+        self.stop()
+        return self.cpu_peak
+
+
 # ---------------------------------------------------------------- main
 def run(device, args):
+    memory = Memory(device)  # its peak counts from here
     dataset = make_dataset(args.samples, args.seed)
     loader = make_loader(dataset, device, args)
     model, optimizer, resumed_from = build(device, loader, args)
@@ -381,11 +435,12 @@ def run(device, args):
     history, batches = train(model, optimizer, loader, resumed_from, device, args)
     elapsed = time.perf_counter() - start
     state_bytes = optimizer_state_bytes(optimizer, device, args)
+    counted = memory.count(model.module, optimizer.optim if args.zero else optimizer)
     print0(f"optimizer state per rank: {' + '.join(f'{b:,}' for b in state_bytes)} bytes "
            f"({'ZeRO: each rank its shard' if args.zero else 'every rank all of it'})")
     checks = {"once": all(n == len(dataset) for n in (sum(h["samples"]) for h in history)),
               "in_sync": replicas_in_sync(model.module, device)}
-    report(history, batches, state_bytes, elapsed, resumed_from, checks, device, args)
+    report(history, batches, (state_bytes, counted), elapsed, resumed_from, checks, device, args)
     return checks["once"] and checks["in_sync"]
 
 

@@ -272,6 +272,19 @@ run_unused() {
             "m['checks']['max_difference_static_vs_find_unused'] < 1e-5"
 }
 
+extra_mode fsdp "fsdp_transformer.py: FSDP2 on N processes, its sharded checkpoint resumed by 1, --export loaded by ddp_transformer.py"
+run_fsdp() {
+    local cmd=("$HERE/fsdp_transformer.py" --sample 0 --checkpoint ck)
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "${cmd[@]}" --max_steps 30 --lr_decay_steps 60 --metrics m0.json \
+        && check_metrics m0.json "m['world_size'] == $N" "sum(m['memory_per_rank']['param_bytes']) == 4 * m['params']" \
+        && "${TORCHRUN[@]}" --standalone --nproc-per-node=1 "${cmd[@]}" --max_steps 60 --resume --export whole.pt \
+            --metrics m.json \
+        && check_metrics m.json "m['world_size'] == 1" "m['steps'] == 30" "m['val_loss'] < m['unigram_entropy']" \
+        && "$PY" -c "import sys, torch; sys.path.insert(0, '$HERE'); from ddp_transformer import Transformer
+c = torch.load('whole.pt', weights_only=True); Transformer(**c['config']).load_state_dict(c['model'])
+print('ok: whole.pt loads into ddp_transformer.Transformer')"
+}
+
 # ---------------------------------------------------------------- modes beyond one machine (root)
 # two "hosts" on one machine: network namespaces joined by a veth pair (root only)
 NETNS=(ddprun$$h0 ddprun$$h1)

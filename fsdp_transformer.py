@@ -1,0 +1,1965 @@
+"""The character-level Transformer of ddp_transformer.py, sharded with FSDP2 instead of replicated by DDP.
+
+Scenario: the model no longer fits on one device with DDP, which keeps a whole copy of the
+weights, the gradients and AdamW's two moments on every rank (16 bytes a parameter in fp32,
+whatever the world size). FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps 1/W of each on
+each of W ranks: a block's parameters are all-gathered just before its forward and backward
+and freed after, and its gradients are reduce-scattered, so each rank keeps and updates its
+own shard. The text, the model, the loop and the contract are ddp_transformer.py's; `diff
+ddp_transformer.py fsdp_transformer.py` shows what sharding changes. Checkpoints are sharded
+(torch.distributed.checkpoint: each rank writes its shards) and reshard on load, so a run
+saved at one world size resumes at another.
+
+Launch:
+    torchrun --standalone --nproc-per-node=2 fsdp_transformer.py       # 2 GPUs (or 2 CPU processes)
+    torchrun --standalone --nproc-per-node=gpu fsdp_transformer.py --amp bf16
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --device cpu
+    python fsdp_transformer.py                           # a one-process world
+    torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --max_steps 200 --resume  # continue
+    torchrun --standalone --nproc-per-node=4 fsdp_transformer.py --max_steps 200 --resume  # ... resharded to 4
+    torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --export model.pt  # one file for Transformer
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \
+        fsdp_transformer.py --save_every_steps 10          # a restarted job continues its last save
+
+The choices, where sharding is applied (shard()):
+- The mesh: an explicit 1-D device mesh over all ranks (init_device_mesh), of --device's type.
+  Left to itself fully_shard builds one for the accelerator torch was built for (cuda on a
+  CUDA wheel), so on a CPU, with gloo, the mesh must be named.
+- One fully_shard per Transformer block, then the root (embedding, last norm, output layer):
+  each block is one all-gather and one reduce-scatter, and the next block's all-gather can
+  overlap this block's compute.
+- reshard_after_forward: True for the blocks (free the gathered weights after the forward,
+  gather them again for the backward: the memory saving, at one more all-gather per block),
+  False for the root, whose output layer and norm the backward uses first.
+- Mixed precision (`--amp bf16`): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
+  the gathered weights and the compute are bf16, the gradients are reduced in fp32, and the
+  shards, the optimizer and the checkpoints stay fp32. It replaces autocast here; fp16 would
+  need a sharded GradScaler and is not offered.
+- Initialisation: the whole model is built on every rank from --seed, as DDP's is, and then
+  sharded: the weights at step 0 do not depend on the world size (bit for bit, tested at 1-4).
+  (Built on the meta device, a model too large for one device would need a seeded init of
+  each shard that matched this; torchtitan#1777 is what goes wrong otherwise.) Its embedding
+  and output layer are separate weights; a model that ties them must shard them together.
+- Gradient accumulation: the first K-1 micro-batches skip the reduce-scatter
+  (set_requires_gradient_sync(False), FSDP2's no_sync); their gradients are kept unsharded
+  until the K-th, which reduces the sum once. Clipping: clip_grad_norm_ returns the norm as a
+  DTensor; full_tensor() makes it a plain number, the same as DDP's.
+
+Checkpoints (--checkpoint is a folder): each save is a new folder `step-N` holding every rank's
+shards, and counts only once `latest.json` names it: rank 0 writes that pointer atomically after
+every rank has finished, so a run killed mid-save resumes from the previous save, never from a
+mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
+as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
+torch.load(weights_only=False); this script reads `.metadata` with an unpickler that admits only
+DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code.
+"""
+
+# ---------------------------------------------------------------- imports
+import argparse
+import atexit
+import contextlib
+import hashlib
+import json
+import math
+import os
+import pickle
+import re
+import shutil
+import sys
+import sysconfig
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset, DistributedSampler
+
+try:  # torch 2.6+ (fully_shard in torch.distributed.fsdp); torch 2.7 is this collection's floor
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
+        set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    FSDP_MISSING = None
+except ImportError as missing:
+    FSDP_MISSING = str(missing)
+
+# The default corpus: modules every CPython ships, read in this order, cut at a size
+# whose default run takes seconds on a 2-core CPU.
+STDLIB_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "queue.py",
+                  "random.py", "functools.py", "contextlib.py", "fractions.py", "abc.py",
+                  "glob.py", "fnmatch.py", "copy.py", "csv.py", "json/__init__.py",
+                  "json/decoder.py", "json/encoder.py", "statistics.py", "dataclasses.py")
+DEFAULT_CORPUS_CHARS = 120_000
+VAL_FRACTION = 0.1
+# The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
+# and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
+MAX_STEPS = 60
+# What --compile's first step took in ddp_transformer.py (its docstring); Throughput is the same in both files
+COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
+POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_length_args(p)
+    add_optimizer_args(p)
+    add_data_args(p)
+    add_model_args(p)
+    add_run_args(p)
+    return p.parse_args(argv)
+
+
+def add_length_args(p):
+    p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
+                   help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
+                        "on text unless --epochs is given, whatever the text's length and the world "
+                        f"size: at 2 processes {MAX_STEPS} x 8 x 2 windows, about 1.1 epochs of the "
+                        "default corpus)")
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=None, metavar="N",
+                   help="train whole epochs instead (with --max_steps: whichever ends first; "
+                        "default on toy: the seed's 200)")
+    p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=None, metavar="N",
+                   help="windows per micro-batch, per process (default: 8 on text, 2 on toy); "
+                        "one optimizer step sees N x grad_accum x world size windows (the global batch)")
+    p.add_argument("--grad_accum", type=int, default=None, metavar="K",
+                   help="micro-batches per optimizer step; the first K-1 skip the all-reduce (default: 1; "
+                        "with --resume at another world size, what keeps the checkpoint's global batch)")
+
+
+def add_optimizer_args(p):
+    p.add_argument("--lr", type=float, default=None, metavar="LR",
+                   help="peak learning rate (default: 3e-3 for AdamW, the seed's 0.01 for SGD)")
+    p.add_argument("--optimizer", choices=["auto", "adamw", "sgd"], default="auto",
+                   help="auto: AdamW on text, the seed's SGD on toy")
+    p.add_argument("--warmup", type=float, default=0.1, metavar="FRACTION",
+                   help="fraction of the run's steps spent warming the learning rate up, "
+                        "then it decays along a cosine to a tenth")
+    p.add_argument("--lr_decay_steps", type=int, default=None, metavar="N",
+                   help="length of that schedule in optimizer steps (as nanoGPT's lr_decay_iters; default: "
+                        "the run's length): a run stopped early follows the schedule of the longer one")
+    p.add_argument("--clip", type=float, default=1.0, metavar="NORM",
+                   help="clip the global gradient norm to NORM (0: off)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the weights, the shuffle and the sample")
+
+
+def add_data_args(p):
+    p.add_argument("--dataset", choices=["text", "toy"], default="text",
+                   help="text: a character model of --data; toy: the seed's 12 constant rows")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="UTF-8 text file to model (default: the first "
+                        f"{DEFAULT_CORPUS_CHARS} characters of {len(STDLIB_MODULES)} fixed "
+                        "Python standard library modules); the last "
+                        f"{VAL_FRACTION * 100:.0f}%% is the validation split")
+    p.add_argument("--block_size", type=int, default=None, metavar="T",
+                   help="characters per training window (context length; default 128, 9 on toy)")
+
+
+def add_model_args(p):
+    p.add_argument("--d_model", type=int, default=None, metavar="D", help="width (default 128; 12 on toy)")
+    p.add_argument("--num_heads", type=int, default=4, metavar="H", help="attention heads")
+    p.add_argument("--d_ff", type=int, default=None, metavar="F",
+                   help="feed-forward width (default 4 x d_model; 24 on toy)")
+    p.add_argument("--num_layers", type=int, default=None, metavar="L",
+                   help="Transformer blocks (default 4; 2 on toy)")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability")
+    p.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
+                   help="FSDP's mixed precision: bf16 compute, fp32 gradient reduction and shards; "
+                        "auto: bf16 on GPUs with native bf16, else off")
+
+
+def add_run_args(p):
+    p.add_argument("--eval_every", type=int, default=0, metavar="N",
+                   help="also evaluate every N optimizer steps (0: only before and after training)")
+    p.add_argument("--log_every", type=int, default=20, metavar="N",
+                   help="print the training loss every N optimizer steps (0: once per epoch)")
+    p.add_argument("--sample", type=int, default=200, metavar="N",
+                   help="generate N characters on rank 0 at the end (0: none)")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
+                   help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
+    p.add_argument("--backend", default="auto", metavar="auto|NAME",
+                   help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
+    p.add_argument("--checkpoint", default="fsdp_transformer_ckpt", metavar="DIR",
+                   help="folder of sharded checkpoints (every rank writes its shards), saved at the end of every "
+                        "epoch and of the run")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="at the end, write the whole model to one file (weights_only) that ddp_transformer.py's "
+                        "Transformer loads")
+    p.add_argument("--save_every_steps", type=int, default=0, metavar="N",
+                   help="also checkpoint every N optimizer steps, so a lost node costs at most N steps (0: off)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint, at any world size: its global batch and its place in the "
+                        "epoch are kept")
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
+                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
+                        "common GPUs, looked up by name; none on CPU)")
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing")
+    p.add_argument("--metrics", default=None, metavar="PATH",
+                   help="write a JSON summary of the run here (rank 0)")
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
+                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+
+
+def fill_defaults(args):
+    """The defaults that depend on --dataset: a character model on text, the seed's run on toy."""
+    toy = args.dataset == "toy"
+    # what the user chose of the step's split; on --resume the rest is chosen to keep the global batch
+    args.passed = {n: getattr(args, n) for n in ("batch_size", "grad_accum") if getattr(args, n) is not None}
+    args.grad_accum = 1 if args.grad_accum is None else args.grad_accum
+    for name, text_default, toy_default in (("batch_size", 8, 2), ("block_size", 128, 9),
+                                            ("d_model", 128, 12), ("num_layers", 4, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, toy_default if toy else text_default)
+    if args.d_ff is None:
+        args.d_ff = 24 if toy else 4 * args.d_model
+    if args.optimizer == "auto":
+        args.optimizer = "sgd" if toy else "adamw"
+    if args.lr is None:
+        args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
+    if args.epochs is None and args.max_steps is None:
+        args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
+    if continues_this_job(args.checkpoint):
+        args.resume = True  # torchrun restarted this job (a failure, a node joined or left): continue it
+    return args
+
+
+def check_args(args):
+    """Validate the arguments in every process, before it joins the group."""
+    fill_defaults(args)
+    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+                   "d_model", "num_heads", "d_ff", "num_layers", "timeout", "peak_tflops")
+    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
+    if args.d_model % 2 or args.d_model % args.num_heads:
+        fail(f"--d_model {args.d_model} must be even (sine and cosine pairs) and divisible by "
+             f"--num_heads {args.num_heads}", "pass e.g. --d_model 128 --num_heads 4")
+    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or args.clip < 0:
+        fail("--warmup and --dropout must be in [0, 1) and --clip 0 or more",
+             "e.g. --warmup 0.1 --dropout 0.1 --clip 1")
+    if FSDP_MISSING:
+        fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
+             "install torch 2.7 or later")
+    check_folders(args.checkpoint, args.metrics, args.export)
+    resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
+    if args.resume and not os.path.exists(os.path.join(args.checkpoint, POINTER)):
+        fail(f"--resume but there is no checkpoint in {args.checkpoint} (no {POINTER})",
+             "pass --checkpoint PATH of an earlier run, or drop --resume", every_node=True)  # this machine's files
+    return args
+
+
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group that torchrun describes in the environment; returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
+        device = torch.device(args.device, local_rank)
+        torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
+    else:
+        device = torch.device("cpu")
+        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
+    # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
+
+
+def resolve_amp(amp, device):
+    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else fp16 (+ GradScaler)."""
+    if device.type == "cpu":
+        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
+        # bf16 autocast ran no faster than fp32 there, because the casts and the
+        # element-wise work it adds cost what the faster matmuls save, and it is far
+        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
+        return "off" if amp == "auto" else amp
+    if amp == "auto":
+        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
+        # on CUDA): before Ampere bf16 is emulated, and fp32 is what is left (no fp16 here: see the docstring)
+        return "bf16" if bf16_supported(device) else "off"
+    if amp == "bf16" and not bf16_supported(device, emulated=True):
+        fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
+    return amp
+
+
+def cleanup():
+    release_ddp()  # the sharded model's hooks and buffers go before the group they talk through (harness)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- data
+def default_corpus():
+    """The first DEFAULT_CORPUS_CHARS characters of STDLIB_MODULES: offline, the same on every run."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    parts = []
+    for name in STDLIB_MODULES:
+        path = os.path.join(stdlib, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                parts.append(f.read())
+    return "".join(parts)[:DEFAULT_CORPUS_CHARS]
+
+
+def read_corpus(args):
+    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts.
+
+    The vocabulary is the sorted string of the text's characters, so every rank that
+    reads the same text builds the same one; the toy data has the seed's 100 ids instead.
+    """
+    if args.dataset == "toy":
+        return "", "the seed's toy rows (12 x 10, one token each)", None
+    if args.data is None:
+        text, name = default_corpus(), "Python standard library"
+    else:
+        try:
+            with open(args.data, encoding="utf-8") as f:
+                text, name = f.read(), args.data
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"cannot read --data {args.data}: {e}", "pass a readable UTF-8 text file")
+    need = math.ceil((args.block_size + 1) / VAL_FRACTION)
+    if len(text) < need:
+        fail(f"the corpus ({name}) has {len(text)} characters, too few for a window of "
+             f"--block_size {args.block_size} in the validation split (it needs {need})",
+             "pass a longer --data file or a smaller --block_size")
+    return text, name, "".join(sorted(set(text)))
+
+
+def unigram_entropy(text):
+    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
+    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
+    p = counts / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+class Windows(Dataset):
+    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens: window i is
+    tokens[i*block : i*block + block + 1], whose last token is window i+1's first input.
+
+    `Tensor.unfold` makes them a view of the tokens (no copy). Indexing with a tensor of window
+    indices returns a whole batch `(inputs, targets)` by one gather, so no DataLoader (and no
+    per-sample Python) sits in the step.
+    """
+
+    def __init__(self, tokens, block):
+        self.rows = tokens.unfold(0, block + 1, block)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        rows = self.rows[torch.as_tensor(index, device=self.rows.device)]
+        return rows[..., :-1], rows[..., 1:]
+
+
+class NLPDataset(Dataset):
+    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
+
+    def __init__(self, size, length, device="cpu"):
+        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        rows = self.data[torch.as_tensor(index, device=self.data.device)]
+        return rows[..., :-1], rows[..., 1:]
+
+
+def build_data(args, text, vocab, device):
+    """(training set, validation set), both on the device: a batch is one gather, no copy per step."""
+    if vocab is None:
+        rows = NLPDataset(12, args.block_size + 1, device)  # the seed has no held-out data: validate on its rows
+        return rows, rows
+    lookup = {c: i for i, c in enumerate(vocab)}
+    tokens = torch.tensor([lookup[c] for c in text], dtype=torch.long, device=device)
+    split = int(len(tokens) * (1 - VAL_FRACTION))
+    return Windows(tokens[:split], args.block_size), Windows(tokens[split:], args.block_size)
+
+
+def epoch_steps(sampler, global_batch, first=0, device="cpu"):
+    """(step s, this rank's windows, the step's windows on all ranks) for the epoch's steps from `first`.
+
+    Step s trains positions [s x G, (s+1) x G) of the epoch's shuffled order (G: the global batch),
+    rank r the positions r, r+W, r+2W, ... among them: the same batches at any world size W, so the
+    place in the epoch is kept in windows and a checkpoint continues at any W that keeps G.
+    """
+    n, world, rank = len(sampler.dataset), sampler.num_replicas, sampler.rank
+    # DistributedSampler pads the order to a multiple of W by repeating its first windows, as many as W
+    # makes: cut them off (rank r's own positions are r, r+W, ... below n), so each is trained once
+    mine = torch.tensor(list(sampler), dtype=torch.long, device=device)[:len(range(rank, n, world))]
+    share = global_batch // world
+    for s in range(first, math.ceil(n / global_batch)):
+        # the epoch's last step holds what is left: fewer windows, on some ranks maybe none
+        yield s, mine[s * share:(s + 1) * share], min(global_batch, n - s * global_batch)
+
+
+def text_fingerprint(text):
+    """An integer that differs between texts: every rank must model the same text, or the indices
+    and the vocabulary mean different things on different ranks."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+# ---------------------------------------------------------------- model
+class PositionalEncoding(nn.Module):
+    """The seed's sinusoidal positions, computed on the input's device for its length.
+
+    Not a buffer: nothing to move with .to(device) or for DDP to broadcast each forward.
+    `max_len` is the longest sequence the model was built (and checkpointed) for.
+    """
+
+    def __init__(self, d_model, max_len=5000):
+        super().__init__()
+        self.d_model, self.max_len = d_model, max_len
+
+    def forward(self, x):
+        if x.size(1) > self.max_len:
+            raise ValueError(f"sequence of {x.size(1)} tokens is longer than max_len {self.max_len}")
+        position = torch.arange(x.size(1), device=x.device, dtype=torch.float).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0, self.d_model, 2, device=x.device).float()
+                             * (-math.log(10000.0) / self.d_model))
+        angles = position * div_term
+        return x + torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos interleaved
+
+
+def causal_attention(q, k, v, dropout_p=0.0):
+    """Scaled dot-product attention in which position t attends to positions <= t only.
+
+    Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
+    `is_causal` is only a hint that still needs the T x T mask built and passed (torch 2.14's
+    multi_head_attention_forward raises without it), their weights have other names (every
+    checkpoint would change), and attention could not stay in fp32 under CPU bf16 autocast.
+    """
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # torch's CPU flash-attention backward is several times slower in bf16 than in
+        # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
+        with torch.autocast("cpu", enabled=False):
+            return causal_attention(q.float(), k.float(), v.float(), dropout_p).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
+class MultiHeadSelfAttention(nn.Module):
+    def __init__(self, d_model, num_heads, dropout=0.0):
+        super().__init__()
+        self.num_heads, self.dropout = num_heads, dropout
+        self.qkv_linear = nn.Linear(d_model, 3 * d_model)  # one matmul for q, k and v
+        self.out_linear = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        # every size spelled out: a rank may hold no window of an epoch's last step (an empty batch)
+        heads = (batch, length, 3, self.num_heads, width // self.num_heads)
+        q, k, v = self.qkv_linear(x).view(heads).permute(2, 0, 3, 1, 4)
+        # is_causal instead of a mask: the seed's mask was inverted and built on the CPU
+        out = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        return self.out_linear(out.transpose(1, 2).reshape(batch, length, width))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d_model, num_heads, d_ff, dropout=0.0):
+        super().__init__()
+        self.attention = MultiHeadSelfAttention(d_model, num_heads, dropout)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.ffn = FeedForward(d_model, d_ff)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        # pre-norm (GPT-2 style) rather than the seed's post-norm: it trains stably at
+        # AdamW's higher learning rates without a long warmup
+        x = x + self.dropout(self.attention(self.norm1(x)))
+        return x + self.dropout(self.ffn(self.norm2(x)))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> next-token logits (B, T, vocab_size); position t sees tokens <= t only."""
+
+    def __init__(self, vocab_size, d_model=512, num_heads=8, d_ff=2048, num_layers=6, max_len=5000,
+                 dropout=0.0):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.pos_encoding = PositionalEncoding(d_model, max_len)
+        self.layers = nn.ModuleList([TransformerBlock(d_model, num_heads, d_ff, dropout)
+                                     for _ in range(num_layers)])
+        self.norm = nn.LayerNorm(d_model)
+        self.out_linear = nn.Linear(d_model, vocab_size)
+
+    def forward(self, x):
+        x = self.pos_encoding(self.embedding(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out_linear(self.norm(x))
+
+
+def model_config(args, vocab):
+    """The Transformer's constructor arguments: stored in the checkpoint, compared on resume."""
+    return {"vocab_size": len(vocab) if vocab else 100,  # the seed's vocabulary size on toy
+            "d_model": args.d_model, "num_heads": args.num_heads,
+            "d_ff": args.d_ff, "num_layers": args.num_layers, "max_len": args.block_size,
+            "dropout": args.dropout}
+
+
+def flops_per_token(model, block):
+    """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
+
+    The embedding is a lookup, not a matmul, so its table is left out. The attention
+    term 12 x layers x width x block counts the full T x T score matrix, as the
+    estimate does; a causal kernel skips about half of it.
+    """
+    matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
+    width = model.embedding.embedding_dim
+    return 6 * matmul_params + 12 * len(model.layers) * width * block
+
+
+# One device's dense peak TFLOP/s, from the vendors' datasheets, whose headline tensor-core figures
+# assume 2:4 sparsity (the dense figure is half; the sparse one is quoted below). fp32 is the CUDA cores'
+# figure: torch multiplies fp32 matrices without TF32 unless set_float32_matmul_precision is changed.
+# Matched against the device's name in this order (torch.cuda.get_device_name, also on ROCm).
+PEAK_TFLOPS = (
+    (r"H100.*(PCIe|HBM2e)", {"fp32": 51, "bf16": 756, "fp16": 756}),  # NVIDIA H100 datasheet, PCIe (1,513 sparse)
+    (r"H100.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H100 datasheet, H100 NVL (1,671 sparse)
+    (r"H100.*(HBM3|SXM)", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H100 datasheet, SXM (1,979 sparse)
+    (r"\bH200\b.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H200 datasheet, H200 NVL (1,671 sparse)
+    (r"\bH200\b", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H200 datasheet, H200 SXM (1,979 sparse)
+    (r"A100", {"fp32": 19.5, "bf16": 312, "fp16": 312}),  # NVIDIA A100 datasheet, SXM and PCIe alike (624 sparse)
+    (r"L40S", {"fp32": 91.6, "bf16": 362, "fp16": 362}),  # NVIDIA L40S datasheet (733 sparse)
+    (r"\bL4\b", {"fp32": 30.3, "bf16": 121, "fp16": 121}),  # NVIDIA L4 datasheet (242 sparse)
+    # the A10G (AWS G5) has no NVIDIA datasheet: the A10's (the same GA102 chip; 250 sparse), which
+    # comparisons of the two find the A10G's tensor cores below, so its MFU may read low
+    (r"A10G", {"fp32": 31.2, "bf16": 125, "fp16": 125}),
+    (r"V100S", {"fp32": 16.4, "fp16": 130}),  # NVIDIA V100 datasheet, V100S PCIe (Volta: no bf16, no sparsity)
+    (r"V100.*SXM", {"fp32": 15.7, "fp16": 125}),  # NVIDIA V100 datasheet, SXM2
+    (r"V100.*PCIE", {"fp32": 14, "fp16": 112}),  # NVIDIA V100 datasheet, PCIe
+    (r"MI300X", {"fp32": 163.4, "bf16": 1307.4, "fp16": 1307.4}),  # AMD's MI300X peak table (2,614.9 sparse)
+)
+
+
+def device_peak(args, device):
+    """(One device's peak FLOP/s for the MFU, or None; where it comes from, or why there is none.)"""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, f"--peak_tflops {args.peak_tflops:g}"
+    if device.type == "cpu":
+        return None, "no peak is known for the CPU"
+    get_name = getattr(torch.get_device_module(device), "get_device_name", None)
+    return peak_of(get_name(device) if get_name else device.type, {"off": "fp32"}.get(args.amp, args.amp))
+
+
+def peak_of(name, precision):
+    """PEAK_TFLOPS's figure for a device name at fp32, bf16 or fp16, in FLOP/s; (None, why) if it has none."""
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            if precision not in peaks:
+                return None, f"{name} has no {precision} figure in the table (it emulates {precision})"
+            return peaks[precision] * 1e12, f"{name}, dense {precision}, from its datasheet"
+    return None, f"no peak is known for {name}"
+
+
+# ---------------------------------------------------------------- train / evaluate
+def make_optimizer(model, args):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+
+
+def lr_at(step, total, args):
+    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
+
+    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
+    they are built and keep a step count of their own in the checkpoint, while a run resumed
+    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
+    """
+    warm = int(args.warmup * total)
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@contextlib.contextmanager
+def no_sync(model):
+    """FSDP2's counterpart of DDP's no_sync(): backward passes in here reduce-scatter nothing; the
+    gradients stay unsharded (a whole model's worth) and add up until a backward outside reduces them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None):
+    """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
+
+    The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
+    reduce-scatters the sum once.
+    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
+    Each micro-batch's summed loss is divided by them and multiplied by the world size,
+    which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
+    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
+    """
+    tokens = sum(y.numel() for _, y in micro_batches)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    scale = world / (step_tokens or tokens * world)
+    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
+    for i, (x, y) in enumerate(micro_batches):
+        sync = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else no_sync(model):
+            with amp:
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+    norm = None
+    if clip:
+        # the norm of the whole gradient, a DTensor (each rank holds a shard); full_tensor(): a plain number
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, tokens, norm
+
+
+@torch.no_grad()
+def evaluate(model, dataset, indices, batches, amp):
+    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes.
+
+    Every forward all-gathers the weights, so every rank must run as many (some may be empty).
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for batch in torch.as_tensor(indices, dtype=torch.long).tensor_split(batches):
+        x, y = dataset[batch]
+        with amp:
+            logits = model(x)
+        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
+        totals[1] += y.numel()
+    model.train(was_training)
+    return totals
+
+
+@torch.no_grad()
+def generate(model, vocab, prompt, count, seed):
+    """Sample `count` characters after `prompt` from the whole (consolidated) model, on rank 0 only."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(count):
+        logits = model(ids[:, -model.pos_encoding.max_len:])[0, -1].float()
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    model.train(was_training)
+    return "".join(vocab[i] for i in ids[0].tolist())
+
+
+# ---------------------------------------------------------------- checkpoint
+def read_checkpoint(args, vocab):
+    """The --resume checkpoint, for this model and this text; anything else is one clear error.
+
+    The pointer (JSON) names the save that counts and holds what is not a tensor; the save's
+    `.metadata` is read as data (read_metadata) and must list this model's tensors, each a tensor.
+    """
+    pointer = os.path.join(args.checkpoint, POINTER)
+    try:
+        with open(pointer, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read {pointer} ({type(e).__name__})", "delete the folder to start afresh", every_node=True)
+    keys = ("folder", "config", "vocab", "epoch", "step", "windows_in_epoch", "global_batch", "batch_size",
+            "world_size")
+    if not isinstance(state, dict) or not set(keys) <= set(state) or os.sep in str(state["folder"]):
+        fail(f"{pointer} is not a checkpoint pointer of this script", "delete the folder to start afresh",
+             every_node=True)
+    config = model_config(args, vocab)
+    theirs = state["config"] if isinstance(state["config"], dict) else {}
+    differ = sorted(k for k in config if theirs.get(k) != config[k])
+    if differ:
+        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={theirs.get(k)}" for k in differ)
+             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
+             "pass the same model sizes as the run that wrote it")
+    if state["vocab"] != vocab:
+        fail(f"checkpoint {args.checkpoint} was trained on text with another vocabulary",
+             "pass the same --data/--dataset as the run that wrote it")
+    with torch.device("meta"):  # the shapes only: no memory for weights
+        shapes = Transformer(**config)
+    check_tensors(os.path.join(args.checkpoint, state["folder"]), shapes)
+    return state
+
+
+SAFE_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: admit only the classes it is made of (DCP's metadata, torch.Size, the
+    dtypes), so a pickled payload (a __reduce__ that names any other callable) is refused before it runs."""
+
+    def find_class(self, module, name):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or (module, name) in SAFE_GLOBALS or module == "torch.distributed.checkpoint.metadata":
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(folder):
+    """The save's `.metadata`, unpickled by MetadataUnpickler; a missing or foreign one is one error line."""
+    path = os.path.join(folder, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        fail(f"{folder} is incomplete: it has no .metadata (a save that did not finish)",
+             f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
+    except (pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError, AttributeError) as e:
+        fail(f"{path} was refused unread: {str(e)[:120]}", "load only checkpoints this script wrote; delete it "
+             "to start afresh", every_node=True)
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        fail(f"{path} is not a checkpoint's metadata", "delete the checkpoint folder to start afresh",
+             every_node=True)
+    return metadata
+
+
+def check_tensors(folder, model):
+    """The save must hold this model's weights, each a tensor of its shape (no pickled entry to unpickle)."""
+    saved = read_metadata(folder).state_dict_metadata
+    for name, tensor in model.state_dict().items():
+        entry = saved.get(f"model.{name}")
+        if tuple(getattr(entry, "size", ())) != tuple(tensor.shape):
+            fail(f"{folder} is for another model: model.{name} is "
+                 f"{tuple(entry.size) if hasattr(entry, 'size') else 'missing'} there, {tuple(tensor.shape)} here",
+                 "point --checkpoint at a folder this configuration wrote", every_node=True)
+    foreign = sorted(k for k, v in saved.items() if not hasattr(v, "chunks"))
+    if foreign:
+        fail(f"{folder} holds entries that are not tensors ({foreign[:3]}), which would be unpickled",
+             "load only checkpoints this script wrote", every_node=True)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader with read_metadata's unpickler, and no entry read that is not a tensor
+    (DCP reads those with torch.load(weights_only=False)). Tensors it reads with weights_only=True."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_metadata(self.path)
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise ValueError("a checkpoint entry is not a tensor")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
+            return super().read_data(plan, planner)
+
+
+def commit_checkpoint(root, folder, state):
+    """Rank 0, once every rank's shards and the .metadata are on disk: point latest.json at `folder`,
+    atomically (the save counts from here), then delete the saves before it."""
+    write_json(os.path.join(root, POINTER), {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+                                             "world_size": dist.get_world_size()})
+    for name in os.listdir(root):
+        if name.startswith("step-") and name != folder:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def continues_this_job(root):
+    """Whether this torchrun worker should continue the checkpoint in folder `root` without --resume:
+    torchrun restarted this job (its id, TORCHELASTIC_RUN_ID, is in the pointer), as the harness's
+    resumes_this_job tells for a checkpoint file."""
+    try:
+        with open(os.path.join(root, POINTER), encoding="utf-8") as f:
+            job = json.load(f).get("job")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") == "none":
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return job == os.environ["TORCHELASTIC_RUN_ID"]
+
+
+def choose_split(global_batch, world, passed, usual):
+    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
+
+    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
+    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
+    that divides this process's share of the step, and as many micro-batches as that takes.
+    """
+    if global_batch % world:
+        return None
+    share = global_batch // world  # windows per process per step
+    if "batch_size" in passed:
+        batches = [passed["batch_size"]]
+    elif "grad_accum" in passed:
+        batches = [share // passed["grad_accum"]]
+    else:
+        batches = range(min(usual, share), 0, -1)
+    for batch in batches:
+        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
+            return batch, share // batch
+    return None
+
+
+def keep_global_batch(args, state, world):
+    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
+    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
+
+    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
+    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
+    one, and the optimization (and the learning rate tuned for it) does not change under it.
+    """
+    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
+    split = choose_split(wanted, world, args.passed, usual)
+    if split is None:
+        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
+        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
+        fix = f"resume at {fits} processes"
+        if flags:
+            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
+                else f"drop {flags} and {fix}"
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({then} processes), "
+             f"which cannot be kept at {world} processes" + (f" with {flags}" if flags else ""),
+             f"{fix}; or start afresh with another --checkpoint")
+    if split != (args.batch_size, args.grad_accum):
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({then} processes), so each "
+               f"step trains the batch an uninterrupted run would: here {world} processes x --batch_size "
+               f"{split[0]} x --grad_accum {split[1]}")
+    args.batch_size, args.grad_accum = split
+
+
+# ---------------------------------------------------------------- trainer
+def global_mean(loss_sum, count, device):
+    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
+    dist.all_reduce(totals)
+    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
+
+
+def run_length(steps_per_epoch, args):
+    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
+    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
+    return total, math.ceil(total / steps_per_epoch)
+
+
+def shard(model, device, args):
+    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # named: a CPU mesh runs on gloo
+    bf16 = args.amp == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.float32 if bf16 else None)
+    # the root returns its output layer's result, a view; FSDP warns of in-place ops on it, which this loop never does
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    return fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+
+
+def consolidated(model, config, device):
+    """The whole model, unsharded, on every rank (one all-gather per tensor): for the sample, the
+    replica check and --export. It needs a whole model's memory, once, at the end."""
+    whole = Transformer(**config).to(device)
+    whole.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+    return whole
+
+
+class Trainer:
+    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
+
+    def __init__(self, model, data, optimizer, device, args, checkpoint=None, memory=None):
+        self.model = model  # sharded: each rank holds its shard of every parameter
+        self.train_set, self.val_set, self.vocab, self.config = data
+        self.optimizer, self.device, self.args = optimizer, device, args
+        self.amp = contextlib.nullcontext()  # no autocast: the MixedPrecisionPolicy casts (shard())
+        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
+        self.epochs_run, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
+        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
+        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
+        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
+        self.total, self.epochs = run_length(self.steps_per_epoch, args)
+        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
+        peak, self.peak_source = device_peak(args, device)
+        # the peak of every device in use, for the MFU
+        self.clock = Throughput(flops_per_token(model, args.block_size), peak * dist.get_world_size() if peak
+                                else None, device, compiling=False)
+        self.memory = memory or Memory(device)  # train()'s counts its peak from before the model was built
+        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
+        self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
+        self.log_sum, self.log_count = torch.zeros((), device=device), 0
+
+    def _tensors(self):
+        """What a save holds: the model's and AdamW's tensors, as DTensors (each rank its shards, which
+        DCP reshards on load). The param groups' numbers are the run's arguments, not saved."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if empty
+        return {"model": model, "optimizer": optimizer["state"]}, optimizer["param_groups"]
+
+    def _load_checkpoint(self, state):
+        """Each rank reads the parts of the saved tensors that its shards hold, at any world size."""
+        start = time.perf_counter()
+        tensors, groups = self._tensors()
+        try:
+            dcp.load(tensors, storage_reader=SafeReader(os.path.join(self.args.checkpoint, state["folder"])))
+        except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            why = next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()
+            fail(f"cannot read checkpoint {self.args.checkpoint} ({why[-150:]})",
+                 "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+        self.load_s = time.perf_counter() - start
+        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
+        self.step = state["step"]
+
+    def _save_checkpoint(self, epoch):
+        """The position in global units, the windows of the epoch's order trained and the global batch
+        that trained them, so that any world size that keeps the global batch can continue."""
+        finished = self.windows_in_epoch == len(self.train_set)
+        start = time.perf_counter()
+        root, folder = self.args.checkpoint, f"step-{self.step:08d}"
+        if dist.get_rank() == 0:  # a folder of this step left by a save that was killed: never mixed with this one
+            shutil.rmtree(os.path.join(root, folder), ignore_errors=True)
+            os.makedirs(root, exist_ok=True)
+        dist.barrier()
+        # each rank writes its own shards; rank 0 then writes .metadata, after every rank has written
+        dcp.save(self._tensors()[0], storage_writer=FileSystemWriter(os.path.join(root, folder)))
+        if dist.get_rank() == 0:
+            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab,
+                                             "epoch": epoch + 1 if finished else epoch, "step": self.step,
+                                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size})
+        dist.barrier()  # nobody reads the checkpoint before it is complete
+        self.save_s.append(time.perf_counter() - start)
+        self.clock.left_out(self.save_s[-1])
+
+    def validate(self):
+        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
+        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
+        most = math.ceil(len(self.val_set) / dist.get_world_size())  # rank 0's windows, the most any rank has
+        totals = evaluate(self.model, self.val_set, indices, math.ceil(most / self.args.batch_size), self.amp)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _run_step(self, micro_batches, step_windows):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.schedule, self.args)
+        step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
+        loss_sum, tokens, norm = train_step(self.model, self.optimizer, micro_batches, self.amp,
+                                            self.args.clip, step_tokens)
+        self.grad_norms.append(norm)
+        self.step, self.steps = self.step + 1, self.steps + 1
+        self.log_sum += loss_sum
+        self.log_count += tokens
+        self.clock.stepped(step_tokens)
+        self.memory.after_step(self.steps, self.model, self.optimizer)
+        return loss_sum, tokens
+
+    def _log(self):
+        args, step = self.args, self.step
+        if args.log_every and step % args.log_every == 0:
+            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
+            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
+            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+                   + self.clock.mfu_since_mark())
+        if args.eval_every and step % args.eval_every == 0 and step < self.total:
+            start = time.perf_counter()
+            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
+            self.clock.left_out(time.perf_counter() - start)
+
+    def _run_epoch(self, epoch):
+        """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
+        n, g = len(self.train_set), self.global_batch
+        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loss_sum, count = torch.zeros((), device=self.device), 0
+        for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
+            if self.step >= self.total:
+                break
+            micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
+            step_sum, tokens = self._run_step(micro_batches, step_windows)
+            loss_sum, count, self.windows_in_epoch = loss_sum + step_sum, count + tokens, min(n, (s + 1) * g)
+            self._log()
+            if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
+                    and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
+                self._save_checkpoint(epoch)
+        loss, tokens = global_mean(loss_sum, count, self.device)
+        return loss, math.ceil(self.windows_in_epoch / g), tokens // self.args.block_size
+
+    def train(self):
+        """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
+        history, ended = [], self.epochs_run
+        self.clock.start()
+        for epoch in range(self.epochs_run, self.epochs):
+            if self.step >= self.total:
+                break
+            start, since = time.perf_counter(), self.clock.reading()
+            loss, done, windows = self._run_epoch(epoch)
+            seconds = time.perf_counter() - start
+            history.append(loss)
+            self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
+            ended = epoch + 1
+            self._save_checkpoint(epoch)
+            print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
+                   f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
+                   f"checkpoint {self.args.checkpoint}")
+            self.windows_in_epoch = 0  # the next epoch starts at its beginning
+        self.clock.stop()
+        return history, ended
+
+
+class Throughput:
+    """The clock behind tokens/s and MFU, kept apart so that the Trainer shows the loop.
+
+    It starts after the first step, which allocates (and with --compile compiles) and would
+    dominate a short run; the seconds of evaluation and checkpoints are left out. Every figure
+    printed comes from here, so the epoch lines and the summary count the same way and say so.
+    """
+
+    def __init__(self, flops_per_token, peak, device, compiling):
+        self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
+        # tokens of all ranks after the first step; seconds left out; the clock's start; the log line's mark
+        self.tokens, self.skipped, self.clock, self.first_step_s, self.mark = 0, 0.0, None, 0.0, (0.0, 0)
+        self.started = self.stopped = None
+
+    def start(self):
+        self.started = time.perf_counter()
+        if self.compiling:  # otherwise the first step is a minute of silence
+            print0(f"compiling: the first step compiles the model before it trains ({COMPILE_TIME}); "
+                   "tokens/s and MFU leave it out")
+
+    def stepped(self, step_tokens):
+        """After each optimizer step: the first one starts the clock, the others count their tokens."""
+        if self.clock is None:
+            if self.device.type != "cpu":
+                torch.accelerator.synchronize(self.device)
+            self.clock = time.perf_counter()
+            self.first_step_s = self.clock - self.started
+            if self.compiling:
+                print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
+        else:
+            self.tokens += step_tokens
+
+    def left_out(self, seconds):
+        """Leave `seconds` (evaluation, a checkpoint) out of the throughput."""
+        if self.clock is not None:
+            self.skipped += seconds
+
+    def stop(self):
+        self.stopped = time.perf_counter()
+
+    def reading(self):
+        """(training seconds, tokens) after the first step, evaluation and checkpoints left out."""
+        if self.clock is None:
+            return 0.0, 0
+        return (self.stopped or time.perf_counter()) - self.clock - self.skipped, self.tokens
+
+    def seconds(self):
+        return self.reading()[0]
+
+    def tokens_per_s(self):
+        """Training tokens per second of all ranks together, after the first step."""
+        seconds, tokens = self.reading()
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def what_is_left_out(self):
+        return "first step (compiling) left out" if self.compiling else "first step left out"
+
+    def rate_since(self, since):
+        """`8991 tokens/s (first step left out) | MFU 1.20%` for the steps since the reading `since`."""
+        (seconds, tokens), (then_s, then_tokens) = self.reading(), since
+        rate = (tokens - then_tokens) / (seconds - then_s) if seconds > then_s else 0.0
+        # the run's first step falls in this stretch only when it starts at the beginning, before the clock
+        note = f" ({self.what_is_left_out()})" if since == (0.0, 0) else \
+            " (no compiling in it)" if self.compiling else ""
+        return f"{rate:.0f} tokens/s{note}{self.mfu_text(tokens - then_tokens, seconds - then_s)}"
+
+    def mfu_since_mark(self):
+        """The MFU of the steps since the last log line, for that line."""
+        now, self.mark = self.mark, self.reading()
+        return self.mfu_text(self.mark[1] - now[1], self.mark[0] - now[0]) if now[1] or self.mark[1] else ""
+
+    def mfu_text(self, tokens, seconds):
+        """` | MFU 41.20%`: model FLOPs per second over the peak of every device in use (none unknown)."""
+        if not self.peak or not seconds > 0:
+            return ""
+        return f" | MFU {100 * tokens * self.flops_per_token / seconds / self.peak:.2f}%"
+
+
+class Memory:
+    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
+
+    The three are counted from this rank's tensors (a gradient is the size and dtype of its
+    parameter, held from the backward pass to the optimizer step). The peak is measured from
+    construction on, over the first two steps (the second is the first whose backward holds
+    the optimizer's state too): on an accelerator by torch's allocator (max_memory_allocated);
+    on the CPU, where torch keeps no such count (and the process's resident size holds the
+    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
+    allocation and free: the most bytes of tensors alive at once.
+    """
+
+    def __init__(self, device):
+        self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
+        if device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(device)
+        else:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
+
+    def after_step(self, steps, model, optimizer):
+        """After this invocation's step `steps`: the bytes after the first, the peak's window ends after the second."""
+        if steps == 1:
+            self.count(model, optimizer)
+        if steps == 2:
+            self.stop()
+
+    def stop(self):
+        """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        alive = peak = 0
+        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            alive += event.nbytes()
+            peak = max(peak, alive)
+        self.profiler, self.cpu_peak = None, peak
+
+    def count(self, model, optimizer):
+        """After the first step (AdamW makes its state then): this rank's bytes, gathered from every rank."""
+        def size(t):
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+            return t.numel() * t.element_size()
+        params = sum(size(p) for p in model.parameters())
+        mine = torch.tensor([params, params, sum(size(t) for st in optimizer.state.values()
+                                                 for t in st.values() if torch.is_tensor(t))], device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        names = ("param_bytes", "grad_bytes", "optimizer_bytes")
+        self.counted = {**dict(zip(names, mine.tolist())),
+                        "memory_per_rank": {n: [int(e[i]) for e in every] for i, n in enumerate(names)}}
+        print0(f"memory per rank: parameters {params / 2**20:.2f} MiB | gradients {params / 2**20:.2f} MiB | "
+               f"optimizer state {mine[2].item() / 2**20:.2f} MiB (rank 0's; all ranks: "
+               f"{' + '.join(f'{int(e.sum()) / 2**20:.2f}' for e in every)} MiB)")
+
+    def peak(self):
+        """Bytes at the peak since construction, as the class says."""
+        if self.device.type != "cpu":
+            return torch.accelerator.max_memory_allocated(self.device)
+        self.stop()
+        return self.cpu_peak
+
+
+# ---------------------------------------------------------------- main
+def train(device, args, corpus, checkpoint):
+    """Build the data, model and trainer, train, validate before and after; returns whether replicas agree."""
+    text, name, vocab = corpus
+    torch.manual_seed(args.seed)
+    check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
+                             "another Python version or file on another node? pass --data PATH on a "
+                             "file system every node sees")
+    config = model_config(args, vocab)
+    memory = Memory(device)  # its peak counts from here
+    # the whole model from the seed on every rank, then sharded: the same weights at any world size
+    model = shard(Transformer(**config).to(device), device, args)
+    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
+                      make_optimizer(model, args), device, args, checkpoint, memory)
+    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
+    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
+    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
+                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
+                             "node sees, or copy the newest one to every node")
+    entropy = unigram_entropy(text) if vocab else None
+    describe(trainer, name, entropy)
+    first_val = trainer.validate()
+    print0(f"validation loss {first_val:.4f} before training")
+    history, epochs = trainer.train()
+    val = trainer.validate()
+    whole = consolidated(model, config, device)
+    if args.sample and vocab and dist.get_rank() == 0:
+        text_out = generate(whole, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
+        say(f"sample ({args.sample} characters):\n{text_out}")
+    if args.export and dist.get_rank() == 0:  # what ddp_transformer.py's Transformer(**config) loads
+        save_checkpoint({"model": whole.state_dict(), "config": config, "vocab": vocab}, args.export)
+        say(f"exported the whole model to {args.export}")
+    # no parameter is replicated under FSDP: what is compared is the whole model every rank assembled
+    in_sync = replicas_in_sync(whole, device)
+    report(trainer, history, epochs, (first_val, val, entropy), in_sync, args)
+    return in_sync
+
+
+def describe(trainer, name, entropy):
+    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long."""
+    args, model, world = trainer.args, trainer.model, dist.get_world_size()
+    print0(f"data: {name} | {trainer.config['vocab_size']} symbols | {len(trainer.train_set)} training and "
+           f"{len(trainer.val_set)} validation windows"
+           + (f" | unigram entropy {entropy:.3f} nats" if entropy is not None else ""))
+    print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
+           f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | {world} x "
+           f"{trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer} | "
+           f"sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "
+           f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
+           f"of {args.grad_accum} x {args.batch_size} x {world} windows")
+    peak = trainer.clock.peak
+    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
+           else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
+                f"at this precision)")
+    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
+           f"{trainer.windows_in_epoch} of {len(trainer.train_set)} in the epoch's order"
+           if args.resume else "starting from scratch")
+
+
+def report(trainer, history, epochs, losses, in_sync, args):
+    """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
+    first_val, val, entropy = losses
+    clock, fpt = trainer.clock, trainer.clock.flops_per_token
+    tokens_per_s, peak = clock.tokens_per_s(), clock.peak
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp,
+        "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
+        "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        "block_size": args.block_size, "elapsed_s": clock.seconds(), "first_step_s": clock.first_step_s,
+        "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
+        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
+        "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
+        "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
+        "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
+        "load_s": trainer.load_s, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
+        "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
+        "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
+        "unigram_entropy": entropy,
+        "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
+        "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "throughput_excludes": clock.what_is_left_out() + ", evaluation and checkpoints left out",
+        **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
+    }
+    print0(f"validation loss {first_val:.4f} -> {val:.4f}\nthroughput: {clock.rate_since((0.0, 0))} on "
+           f"{summary['world_size']} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + "
+           f"attention) | first step {clock.first_step_s:.1f} s")
+    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
+           + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
+           f"torch {torch.__version__} | {epochs} epochs, {trainer.steps} steps | val loss {first_val:.4f} -> "
+           f"{val:.4f} | {tokens_per_s:.0f} tokens/s | replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    corpus = read_corpus(args)
+    # a bad checkpoint is refused (one line) before any process group exists
+    checkpoint = read_checkpoint(args, corpus[2]) if args.resume else None
+    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
+        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, args.checkpoint):
+            in_sync = train(device, args, corpus, checkpoint)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# =============================================================================
+# ---- harness: identical in every script; not part of the lesson ----
+# What makes the lesson above robust, byte for byte the same in every file of the
+# collection (a test compares the copies), so it is read once and skipped after:
+# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
+# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
+# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# =============================================================================
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each option's help, except where the help states its default itself
+    (said once, not twice) or there is none to state (None, or False for a switch)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
+
+
+def say(line, file=None):
+    """Print one line in one write, so lines of concurrent ranks never run into each other
+    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
+    file = file or sys.stdout
+    file.write(f"{line}\n")
+    file.flush()
+
+
+def global_rank():
+    """This process's rank: from the process group once joined, else from the launcher's environment."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def print0(line):
+    """Print on global rank 0 only."""
+    if global_rank() == 0:
+        say(line)
+
+
+def fail(what, fix, every_rank=False, every_node=False):
+    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
+
+    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
+    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
+    rank that left first would get rank 0 killed before it had said why. `every_rank`:
+    what only this process can see (its device) is said by this process. `every_node`: what
+    one machine sees (its files) is said there once, by its LOCAL_RANK 0, so a node that
+    lacks a file says so itself and a single machine still prints one line.
+    """
+    rank = global_rank()
+    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
+    if rank == 0 or every_rank or (every_node and first_on_node):
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def report_error(line):
+    """Say `line` on stderr and, under torchrun, hand it to torchrun as this worker's error (the file
+    named by TORCHELASTIC_ERROR_FILE, in the format torch.distributed.elastic's @record writes): its
+    report then shows our line as the root cause instead of `To enable traceback see: ...`.
+
+    torchrun names as root cause the failure with the earliest timestamp, in whole seconds, and on a
+    tie the lowest local rank. A peer ended by our exit is stamped when torchrun notices, often in the
+    same second, so ours is stamped one second earlier: the rank that found the problem comes first.
+    """
+    say(line, sys.stderr)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        stamp = str(int(time.time()) - 1)
+        with contextlib.suppress(OSError):
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def refuse_launcher_flags(argv=None):
+    """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
+    one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
+    script = os.path.basename(__file__)
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {arg} {script} ...")
+
+
+def check_positive(args, *names):
+    """Every named argument (when given) must be above 0."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in paths:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+def device_plan(kind, backend="auto", bf16=False):
+    """The device choice as a pure function of the device type, so that a CPU can test every type.
+
+    kind: "cpu", or the accelerator type torch reports (cuda, xpu, hpu, npu, mps, ...); each
+    process then takes the device of its LOCAL_RANK (torch.accelerator.set_device_index).
+    backend "auto": torch's default for the type (get_default_backend_for_device: nccl on cuda,
+    xccl on xpu, gloo on cpu; hccl on hpu and npu once their plugins have registered it); a
+    backend fits when torch's Backend.backend_capability lists the type. bf16: the device
+    computes bfloat16 natively. Returns {"backend", "amp": what --amp auto means there,
+    "problem": (what, fix) when no job can run so, else None}.
+    """
+    amp = "bf16" if bf16 else "off" if kind == "cpu" else "fp16"  # fp16 with a GradScaler; slow on CPUs
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    chosen = default if backend == "auto" else backend
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    problem = None
+    if chosen is not None and chosen not in carries:
+        problem = (f"unknown backend {chosen!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    elif chosen is not None and kind in carries[chosen]:
+        pass
+    elif default is not None and kind in carries[default]:
+        problem = (f"--backend {chosen} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+                   f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    else:  # mps too where torch maps no backend to it (torch 2.7): no package adds one
+        problem = (f"torch has no multi-process backend for {kind}", "use --device cpu" + (
+            "" if kind == "mps" else f", or install the package that adds {kind} to torch"))
+    return {"backend": chosen, "amp": amp, "problem": problem}
+
+
+def resolve_device(args):
+    """--device and --backend `auto` made concrete: torch.accelerator's device, else the CPU, and the
+    device's default backend. A device the machine lacks, or a backend that does not fit it, is one
+    error line. (LOCAL_RANK is checked once the launcher's values are complete: prepare_rendezvous.)"""
+    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
+    here = found.type if found is not None else "cpu"
+    args.device = here if args.device == "auto" else args.device
+    if args.device not in ("cpu", here):
+        fail(f"--device {args.device} but " + (f"this machine's accelerator is {here}" if found else
+                                                "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if args.device == "cuda" else " or auto"))
+    plan = device_plan(args.device, args.backend)
+    if plan["problem"]:
+        fail(*plan["problem"])
+    args.backend = plan["backend"]
+    return args
+
+
+def bf16_supported(device, emulated=False):
+    """Whether this process's device computes in bfloat16; ask after set_device_index, it asks the
+    current device. Emulated bf16 (CUDA before Ampere) is slower than fp16 with a GradScaler, so it
+    counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
+    plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
+    if device.type == "cpu":
+        if not hasattr(torch.cpu, "get_capabilities"):  # torch 2.7 cannot ask the CPU
+            if not emulated:
+                print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
+                       "natively (no torch.cpu.get_capabilities): taken as not")
+            return emulated
+        caps = torch.cpu.get_capabilities()
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is None:  # a module without the check: torch's own autocast default for the type
+        return torch.get_autocast_dtype(device.type) == torch.bfloat16
+    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
+        return bool(check(including_emulation=emulated))
+    return bool(check())
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """Split the cores between the processes (oversubscribed cores halve throughput),
+    unless OMP_NUM_THREADS says otherwise."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def free_port():
+    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks this process's device, so it must be one of this machine's `count` devices.
+    named: the launcher set LOCAL_RANK; a hand-made launch that did not is taken to run every rank
+    on this machine (LOCAL_RANK = RANK), which a second machine cannot hold."""
+    if device == "cpu":
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    # the module's own count: torch 2.7's torch.accelerator.device_count() raises without a driver
+    count = torch.get_device_module(device).device_count() if count is None else count
+    if local_rank < count:
+        return
+    if not named:
+        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
+         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
+
+
+def check_port_free(addr, port):
+    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely.
+
+    SO_REUSEADDR, as the TCPStore that will listen there binds: a port that a finished run left
+    in TIME_WAIT (for about a minute) is free for it, while one that something listens on is not.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+def prepare_rendezvous(args, spawning=False):
+    """Complete the environment that init_process_group("env://") reads, for every launcher.
+
+    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
+    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
+    of one. A port is picked only where this process is the one that hosts the rendezvous.
+    """
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
+    if not spawning and "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)  # the values this process will use, filled in
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
+    if "MASTER_PORT" in os.environ:
+        if hosts_store:
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":
+        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
+        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
+        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
+        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
+        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
+        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
+            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def stop_on_interrupt():
+    """Watch for Ctrl-C in this process. Returns a list that fills when SIGINT arrives.
+
+    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
+    that the `interrupted` line is still printed; a process whose SIGINT was ignored when
+    it started (a background job) keeps ignoring it.
+    """
+    received = []
+
+    def on_sigint(signum, frame):
+        received.append(signum)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    return received
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        state = None
+    if not isinstance(state, dict):
+        return "no checkpoint kept"
+    where = where_checkpoint_is(state)
+    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote the checkpoint `state` got ('' if it does not say)."""
+    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
+        if isinstance(state.get(key), int):
+            return f"{unit} {state[key]}"
+    return ""
+
+
+def continue_checkpoint(path, resume):
+    """Whether this run continues from checkpoint `path`. Asked (--resume): yes, and a missing file is
+    one error line. Unasked: only this job's own checkpoint (resumes_this_job: torchrun restarted the
+    job, or a node joined or left). Any other file there is neither continued nor overwritten without a
+    word: one error line says what it holds, which run wrote it, and the ways on."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    if resume or resumes_this_job(path):
+        return True
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        job = state.get("job")
+        found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+                 + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
+                    else f"torchrun job {job}")
+                 + f" at world size {state.get('world_size', '?')}")
+    except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
+        found = "a file that is not a checkpoint this script can read"
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
+
+
+@contextlib.contextmanager
+def explained_failures(timeout, checkpoint=None):
+    """Around one process's training: turn the ways a job ends early into one line each.
+
+    A collective that failed (gloo) is explained by explain_collective_failure: a rank that
+    did not arrive, ranks that called different collectives, or a rank that was lost; the
+    line ends with the checkpoint a rerun resumes from. (On NCCL the watchdog aborts the
+    process first; see prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every
+    process leaves at once with exit code 130. A checkpoint being written was already removed
+    on the way here (save_checkpoint is atomic), and a clean shutdown is not attempted: with
+    the peers gone, releasing DDP's reducer can wait on them for seconds.
+    """
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
+        if dist.get_backend() == "gloo" else None
+    interrupted = stop_on_interrupt()
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        if interrupted or isinstance(error, KeyboardInterrupt):
+            # a peer that stopped first can fail our collective before our own SIGINT is seen
+            if global_rank() == 0:
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            sys.stderr.flush()
+            os._exit(130)
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
+        if line is None:
+            raise
+        if line:
+            report_error(f"error: {line}; {describe_checkpoint(checkpoint)} [rank {global_rank()}]")
+        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
+        raise SystemExit(1) from None
+
+
+def explain_collective_failure(error, health, timeout):
+    """What a failed gloo collective means, as one line; "" where another rank says it; None: not one.
+
+    A timeout: a monitored barrier over the second group `health` (whose connections the failure
+    left open) names the ranks that did not arrive; where every rank answers, none was stuck, so
+    they called different collectives, and each rank's call is gathered. TORCH_DISTRIBUTED_DEBUG
+    =DETAIL's check names both sides itself. A connection reset or closed: a peer was lost; the
+    ranks that still answer through the rendezvous store (which outlives gloo's connections)
+    tell which, and the lowest of them says it.
+    """
+    text, rank = str(error), global_rank()
+    roll_call()
+    sites = "; to see where they parted: TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)"
+    if "Detected mismatch between collectives" in text:  # every rank's check sees it: all gather
+        where = call_sites(error, health)
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+    if "connection reset" in text.lower() or "connection closed" in text.lower():
+        answered = roll_call(min(timeout, 5))
+        lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
+            return ""
+        return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
+                f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
+    if "timed out" not in text.lower():
+        return None
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
+    where = call_sites(error, health)
+    return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
+            f"was lost or frozen: the ranks called different collectives ({where}){sites}") if rank == 0 else ""
+
+
+def mismatch_of(text):
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in
+    Tensor shapes: 4 vs 3` from the text of TORCH_DISTRIBUTED_DEBUG=DETAIL's collective check."""
+    sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
+    described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
+                            for r, _, op, shape, dtype in sides)
+    differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
+    return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
+
+
+def call_sites(error, health=None):
+    """Where this script called the collective that failed: "rank 0 in `dist.barrier()` (train.py:80
+    in save)", the innermost frame of this file; with `health`, every rank's, gathered over it."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
+    mine = f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})" \
+        if frames else "an unknown call"
+    every = [mine]
+    if health is not None:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=health)
+    ranks = {}
+    for r, site in enumerate(every):
+        ranks.setdefault(site, []).append(str(r if health is not None else global_rank()))
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
+
+
+def roll_call(seconds=0.0):
+    """Answer the roll call through the rendezvous store (it outlives gloo's connections), then return the
+    ranks that have answered within `seconds`: every rank whose collective failed answers at once, so a
+    rank that then exits is not taken for lost. None when the store itself is gone."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        keys = [f"{prefix}{r}" for r in range(dist.get_world_size())]
+        store.set(keys[global_rank()], "1")
+        if seconds:
+            try:
+                store.wait(keys, timedelta(seconds=seconds))
+            except RuntimeError:  # DistStoreError: a rank that never answers, the one we look for
+                pass
+        return [r for r, key in enumerate(keys) if store.check([key])]
+    except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
+        return None
+
+
+def check_same_on_every_rank(value, what, fix):
+    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
+    # a backend that carries only accelerator tensors (nccl, xccl, hccl) gathers on this process's device
+    on_cpu = "cpu" in dist.Backend.backend_capability.get(dist.get_backend(), ["cpu"])
+    device = None if on_cpu else torch.device(torch.accelerator.current_accelerator().type,
+                                              torch.accelerator.current_device_index())
+    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([value], device=device))
+    if len({int(v) for v in every}) > 1:
+        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
+
+
+def release_ddp():
+    """Free DDP's reducer before the process group is destroyed.
+
+    Destroying the group while a DDP model is alive can abort the process at exit
+    ("terminate called without an active exception"): clear the frames of a failed run,
+    whose locals may still hold the model, then collect the garbage.
+    """
+    error = sys.exc_info()[1]
+    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+def replicas_in_sync(model, device):
+    """True when every rank's parameters equal rank 0's, bit for bit.
+
+    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
+    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
+    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
+    weighted sum of its parameters) only lets a reader tell runs apart.
+    """
+    same = True
+    for p in model.parameters():
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, src=0)
+        same = same and torch.equal(theirs, p.detach())
+    verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
+    return not differ
+
+
+def atomic_write(path, write):
+    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
+    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_checkpoint(state, path):
+    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
+    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
+             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
+    job moved to fewer GPUs): what changes with the world and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
+               f"the epoch")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
+    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
+    if reached < target:
+        return False
+    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return True
+
+
+def plural(count, noun):
+    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
+
+
+def resumes_this_job(path):
+    """Whether this torchrun worker should continue from checkpoint `path` without --resume.
+
+    torchrun starts a job's workers anew after a failure (--max-restarts) and whenever a node
+    joins or leaves (--nnodes=MIN:MAX). TORCHELASTIC_RESTART_COUNT counts failures only, on the
+    nodes that saw them: a node that joins, and every node after a membership change, start
+    at 0. The job itself is named by torchrun's --rdzv-id (TORCHELASTIC_RUN_ID; a fresh id for
+    each --standalone launch), which save_checkpoint stamps into every checkpoint: this job's
+    checkpoint is continued on every node, an earlier job's is not. Without --rdzv-id (the id
+    is "none") only a restart count above 0 can tell.
+    """
+    if not os.path.isfile(path):
+        return False
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    try:  # mmap: only the small "job" entry is read from disk
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
+    except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
+        return False
+
+
+def write_json(path, record):
+    """One JSON object, atomically: a reader never sees half a file."""
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def load_checkpoint(path, keys, model=None):
+    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
+
+    weights_only: tensors and plain values only, so a pickled object is refused before it
+    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
+    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
+    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
+    error line, not a traceback per rank, said on each machine whose copy has it.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
+                      "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh", every_node=True)
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
+             every_node=True)
+    if model is not None:
+        mine, theirs = model.state_dict(), state["model"]
+        if set(theirs) != set(mine):
+            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+                 "delete it, or use the configuration that wrote it", every_node=True)
+        for name, tensor in mine.items():
+            if tuple(theirs[name].shape) != tuple(tensor.shape):
+                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                     every_node=True)
+    return state
+
+
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
+
+    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
+    quietly: that rank has said why. Another failure is named once. After a failure the
+    others are stopped within seconds, a frozen one too, instead of hanging the parent.
+    """
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            say(f"error: process {e.error_index} {how_it_ended(e)}", sys.stderr)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+
+
+def how_it_ended(exited):
+    """`was ended by SIGABRT (exit code -6)`, or `exited with code 3`: torch names the signal."""
+    if exited.signal_name:
+        return f"was ended by {exited.signal_name} (exit code {exited.exit_code})"
+    return f"exited with code {exited.exit_code}"
+# ---- end of harness ----
+
+
+if __name__ == "__main__":
+    main()
