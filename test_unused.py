@@ -24,8 +24,6 @@ import ddp_transformer
 import ddp_unused
 from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, torchrun_cmd
 
-pytestmark = pytest.mark.xdist_group("unused")  # one test process: the shared launch runs once
-
 MODEL = ddp_unused.MultiTask(ddp_unused.parse_args(["--device", "cpu"]).width)
 
 
