@@ -1281,7 +1281,7 @@ def report(trainer, history, epochs, losses, in_sync, args):
     tokens_per_s, peak = clock.tokens_per_s(), clock.peak
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp,
+        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": trainer.load_s,
         "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
         "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
         "block_size": args.block_size, "elapsed_s": clock.seconds(), "first_step_s": clock.first_step_s,
@@ -1291,10 +1291,9 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
         "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
         "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
-        "load_s": trainer.load_s, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
         "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
-        "unigram_entropy": entropy,
+        "unigram_entropy": entropy, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
         "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
