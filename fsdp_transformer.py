@@ -51,7 +51,9 @@ every rank has finished, so a run killed mid-save resumes from the previous save
 mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
 as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
 torch.load(weights_only=False); this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code.
+DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code. As
+in ddp_transformer.py, a folder another run left is continued only with --resume (the job's own,
+after a torchrun restart, without): the job is stamped in the pointer.
 """
 
 # ---------------------------------------------------------------- imports
