@@ -51,7 +51,9 @@ every rank has finished, so a run killed mid-save resumes from the previous save
 mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
 as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
 torch.load(weights_only=False); this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code.
+DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code. As
+in ddp_transformer.py, a folder another run left is continued only with --resume (the job's own,
+after a torchrun restart, without): the job is stamped in the pointer.
 """
 
 # ---------------------------------------------------------------- imports
@@ -109,12 +111,13 @@ POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     add_length_args(p)
     add_optimizer_args(p)
     add_data_args(p)
     add_model_args(p)
     add_run_args(p)
+    refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
 
@@ -122,7 +125,7 @@ def add_length_args(p):
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
                         "on text unless --epochs is given, whatever the text's length and the world "
-                        f"size: at 2 processes {MAX_STEPS} x 8 x 2 windows, about 1.1 epochs of the "
+                        f"size: at 2 processes {MAX_STEPS} steps x 8 windows x 2 processes, about 1.1 epochs of the "
                         "default corpus)")
     p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=None, metavar="N",
                    help="train whole epochs instead (with --max_steps: whichever ends first; "
@@ -172,8 +175,10 @@ def add_model_args(p):
                    help="Transformer blocks (default 4; 2 on toy)")
     p.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability")
     p.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
-                   help="FSDP's mixed precision: bf16 compute, fp32 gradient reduction and shards; "
-                        "auto: bf16 on GPUs with native bf16, else off")
+                   help="FSDP's mixed precision: bf16 compute, fp32 gradient reduction and shards; auto (the "
+                        "same rule in every script of the collection): bf16 on a GPU that computes it natively (CUDA "
+                        "from Ampere on), else fp16 with a GradScaler, which FSDP here does not offer: off (fp32); off "
+                        "(fp32) on CPUs, where what bf16 gains depends on the model: pass --amp bf16 to try it")
 
 
 def add_run_args(p):
@@ -227,8 +232,6 @@ def fill_defaults(args):
         args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
     if args.epochs is None and args.max_steps is None:
         args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
-    if continues_this_job(args.checkpoint):
-        args.resume = True  # torchrun restarted this job (a failure, a node joined or left): continue it
     return args
 
 
@@ -251,9 +254,8 @@ def check_args(args):
              "install torch 2.7 or later")
     check_folders(args.checkpoint, args.metrics, args.export)
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
-    if args.resume and not os.path.exists(os.path.join(args.checkpoint, POINTER)):
-        fail(f"--resume but there is no checkpoint in {args.checkpoint} (no {POINTER})",
-             "pass --checkpoint PATH of an earlier run, or drop --resume", every_node=True)  # this machine's files
+    # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
+    args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
     return args
 
 
@@ -268,16 +270,16 @@ def setup(args):
     else:
         device = torch.device("cpu")
         use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
+    args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     return device
 
 
 def resolve_amp(amp, device):
-    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else fp16 (+ GradScaler)."""
+    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else off (no fp16 here)."""
     if device.type == "cpu":
         # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
         # bf16 autocast ran no faster than fp32 there, because the casts and the
@@ -287,9 +289,13 @@ def resolve_amp(amp, device):
     if amp == "auto":
         # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
         # on CUDA): before Ampere bf16 is emulated, and fp32 is what is left (no fp16 here: see the docstring)
-        return "bf16" if bf16_supported(device) else "off"
+        # agreed by every rank (a job over two kinds of GPU): a rank that gathered bf16 weights and one that
+        # gathered fp32 ones would run one all-gather with two sizes
+        native = torch.tensor([int(bf16_supported(device))], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        return "bf16" if native.item() else "off"
     if amp == "bf16" and not bf16_supported(device, emulated=True):
-        fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
+        fail(f"this {device.type} device does not support bf16", "use --amp off", every_node=True)
     return amp
 
 
@@ -613,6 +619,15 @@ def no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
+def step_seed(seed, rank, step):
+    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
+    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
+    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
+    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
+    the same on every rank before it is sharded."""
+    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
+
+
 def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
 
@@ -687,17 +702,15 @@ def read_checkpoint(args, vocab):
     The pointer (JSON) names the save that counts and holds what is not a tensor; the save's
     `.metadata` is read as data (read_metadata) and must list this model's tensors, each a tensor.
     """
-    pointer = os.path.join(args.checkpoint, POINTER)
-    try:
-        with open(pointer, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError) as e:
-        fail(f"cannot read {pointer} ({type(e).__name__})", "delete the folder to start afresh", every_node=True)
+    state = read_pointer(args.checkpoint)
     keys = ("folder", "config", "vocab", "epoch", "step", "windows_in_epoch", "global_batch", "batch_size",
             "world_size")
-    if not isinstance(state, dict) or not set(keys) <= set(state) or os.sep in str(state["folder"]):
-        fail(f"{pointer} is not a checkpoint pointer of this script", "delete the folder to start afresh",
-             every_node=True)
+    if not set(keys) <= set(state) or os.sep in str(state["folder"]):
+        fail(f"{os.path.join(args.checkpoint, POINTER)} is not a checkpoint pointer of this script",
+             "delete the folder to start afresh", every_node=True)
+    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
+        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
+             f"this text has {len(vocab)})", "pass the same --data/--dataset as the run that wrote it")
     config = model_config(args, vocab)
     theirs = state["config"] if isinstance(state["config"], dict) else {}
     differ = sorted(k for k in config if theirs.get(k) != config[k])
@@ -705,9 +718,6 @@ def read_checkpoint(args, vocab):
         fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={theirs.get(k)}" for k in differ)
              + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
              "pass the same model sizes as the run that wrote it")
-    if state["vocab"] != vocab:
-        fail(f"checkpoint {args.checkpoint} was trained on text with another vocabulary",
-             "pass the same --data/--dataset as the run that wrote it")
     with torch.device("meta"):  # the shapes only: no memory for weights
         shapes = Transformer(**config)
     check_tensors(os.path.join(args.checkpoint, state["folder"]), shapes)
@@ -790,18 +800,42 @@ def commit_checkpoint(root, folder, state):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def continues_this_job(root):
-    """Whether this torchrun worker should continue the checkpoint in folder `root` without --resume:
-    torchrun restarted this job (its id, TORCHELASTIC_RUN_ID, is in the pointer), as the harness's
-    resumes_this_job tells for a checkpoint file."""
+def read_pointer(root):
+    """The pointer (JSON) in checkpoint folder `root`, None where there is none; an unreadable one is one error line."""
+    pointer = os.path.join(root, POINTER)
+    if not os.path.exists(pointer):
+        return None
     try:
-        with open(os.path.join(root, POINTER), encoding="utf-8") as f:
-            job = json.load(f).get("job")
-    except (OSError, ValueError, AttributeError):
+        with open(pointer, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read {pointer} ({type(e).__name__})", "delete the folder to start afresh", every_node=True)
+    if not isinstance(state, dict):
+        fail(f"{pointer} is not a checkpoint pointer of this script", "delete the folder to start afresh",
+             every_node=True)
+    return state
+
+
+def continue_checkpoint_folder(root, resume):
+    """The harness's continue_checkpoint for a checkpoint folder: whether this run continues the save that
+    `root`'s pointer names. Asked (--resume): yes, and no pointer is one error line. Unasked: only this
+    job's own, the job stamped in the pointer, told as resumes_this_job tells it for a file (torchrun's
+    TORCHELASTIC_RUN_ID; where that is `none`, a restart count above 0). Any other is not continued or
+    overwritten without a word: one error line says what it holds, which run wrote it, and the ways on."""
+    state = read_pointer(root)
+    if state is None:
+        if resume:
+            fail(f"--resume but there is no checkpoint in {root} (no {POINTER})",
+                 "pass the --checkpoint DIR an earlier run wrote, or drop --resume", every_node=True)
         return False
-    if os.environ.get("TORCHELASTIC_RUN_ID", "none") == "none":
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return job == os.environ["TORCHELASTIC_RUN_ID"]
+    job, run = state.get("job"), os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    ours = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if run == "none" else job == run
+    if resume or ours:
+        return True
+    fail(f"{root} holds a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+         + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
+            else f"torchrun job {job}") + f" at world size {state.get('world_size', '?')}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
 
 
 def choose_split(global_batch, world, passed, usual):
@@ -843,12 +877,12 @@ def keep_global_batch(args, state, world):
         if flags:
             fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
                 else f"drop {flags} and {fix}"
-        fail(f"{path} was trained with a global batch of {wanted} windows a step ({then} processes), "
-             f"which cannot be kept at {world} processes" + (f" with {flags}" if flags else ""),
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
+             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
              f"{fix}; or start afresh with another --checkpoint")
     if split != (args.batch_size, args.grad_accum):
-        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({then} processes), so each "
-               f"step trains the batch an uninterrupted run would: here {world} processes x --batch_size "
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
+               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
                f"{split[0]} x --grad_accum {split[1]}")
     args.batch_size, args.grad_accum = split
 
@@ -971,6 +1005,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.schedule, self.args)
         step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
+        torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
         loss_sum, tokens, norm = train_step(self.model, self.optimizer, micro_batches, self.amp,
                                             self.args.clip, step_tokens)
         self.grad_norms.append(norm)
@@ -1199,6 +1234,9 @@ def train(device, args, corpus, checkpoint):
                              "node sees, or copy the newest one to every node")
     entropy = unigram_entropy(text) if vocab else None
     describe(trainer, name, entropy)
+    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
+    nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
+                                    else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
     first_val = trainer.validate()
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()
@@ -1223,11 +1261,12 @@ def describe(trainer, name, entropy):
            f"{len(trainer.val_set)} validation windows"
            + (f" | unigram entropy {entropy:.3f} nats" if entropy is not None else ""))
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
-           f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | {world} x "
-           f"{trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer} | "
-           f"sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "
+           f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
+           f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
+           f" | sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
-           f"of {args.grad_accum} x {args.batch_size} x {world} windows")
+           f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
+           f"{plural(world, 'process')}")
     peak = trainer.clock.peak
     print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
            else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
@@ -1244,7 +1283,7 @@ def report(trainer, history, epochs, losses, in_sync, args):
     tokens_per_s, peak = clock.tokens_per_s(), clock.peak
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp,
+        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": trainer.load_s,
         "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
         "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
         "block_size": args.block_size, "elapsed_s": clock.seconds(), "first_step_s": clock.first_step_s,
@@ -1254,26 +1293,29 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
         "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
         "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
-        "load_s": trainer.load_s, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
         "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
-        "unigram_entropy": entropy,
+        "unigram_entropy": entropy, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
         "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "throughput_excludes": clock.what_is_left_out() + ", evaluation and checkpoints left out",
         **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
     }
-    print0(f"validation loss {first_val:.4f} -> {val:.4f}\nthroughput: {clock.rate_since((0.0, 0))} on "
-           f"{summary['world_size']} processes | {tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + "
-           f"attention) | first step {clock.first_step_s:.1f} s")
+    print0(f"validation loss {first_val:.4f} -> {val:.4f}")
+    if trainer.steps:  # a resumed run with nothing left to train has no speed to report
+        print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
+               f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
+               f"{clock.first_step_s:.1f} s")
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
            + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    print0(f"done: {summary['script']} | {summary['world_size']} x {summary['device']} ({summary['backend']}) | "
-           f"torch {torch.__version__} | {epochs} epochs, {trainer.steps} steps | val loss {first_val:.4f} -> "
-           f"{val:.4f} | {tokens_per_s:.0f} tokens/s | replicas {'in sync' if in_sync else 'DIFFER'}")
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(epochs, 'epoch')}, "
+           f"{plural(trainer.steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
+           f"{f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
 def main():

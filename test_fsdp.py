@@ -267,6 +267,8 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     fsdp(tmp_path, "--max_steps", 2, "--checkpoint", "ck")
     pointer = json.loads((tmp_path / "ck" / "latest.json").read_text())
     other = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", "ck", "--resume", "--d_model", 64, check=False)
+    unasked = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", "ck", check=False)  # another job's: --resume
+    missing = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", "none-here", "--resume", check=False)
     partial = tmp_path / "partial"
     subprocess.run(["cp", "-r", tmp_path / "ck", partial], check=True)
     os.remove(partial / pointer["folder"] / ".metadata")
@@ -283,12 +285,17 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     shard.write_bytes(blob + data[len(blob):])
     in_entry = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", entry, "--resume", check=False)
     for result, words in ((other, "d_model=128"), (cut, "incomplete"), (payload, "refused unread"),
-                          (in_entry, "Unsupported operand")):
+                          (in_entry, "Unsupported operand"), (missing, "no latest.json"),
+                          (unasked, "at step 2 written by torchrun job")):
         # the worker exits 2; torchrun reports a failed worker with its own exit code, 1
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert result.returncode != 0 and len(errors) == 1 and words in errors[0], str(result)
         assert f'Traceback (most recent call last):\n  File "{SCRIPT}' not in result.stderr, str(result)
     assert not marker.exists()
+    assert "pass --resume to continue it" in unasked.stderr and not (tmp_path / "ck" / "step-00000004").exists()
+    done = fsdp(tmp_path, "--max_steps", 2, "--checkpoint", "ck", "--resume")  # nothing left: no nan, no speed
+    assert "nothing to train: ck is at step 2" in done.stdout and "nothing trained" in done.stdout, done.stdout
+    assert "nan" not in done.stdout and "throughput" not in done.stdout, done.stdout
 
 
 def workers_of(torchrun):

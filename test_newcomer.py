@@ -26,6 +26,7 @@ TAKES = {
     "ddp_main.py": COMMON | {"--nprocs", "--checkpoint", "--resume"},
     "ddp_main_torchrun.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_transformer.py": COMMON | {"--checkpoint", "--resume"},
+    "fsdp_transformer.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_uneven.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_comm_hooks.py": COMMON,
     "ddp_unused.py": COMMON,
@@ -33,7 +34,7 @@ TAKES = {
     "dp_baseline.py": COMMON | {"--nprocs"},
 }
 TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
-                    "ddp_comm_hooks.py", "ddp_unused.py", "ddp_desync.py")
+                    "ddp_comm_hooks.py", "ddp_unused.py", "ddp_desync.py", "fsdp_transformer.py")
 
 
 def load(name):
