@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 import ddp_transformer  # noqa: E402
 import fsdp_transformer  # noqa: E402
 
+shared = pytest.mark.xdist_group("fsdp")  # the tests that read the one world-2 launch stay in one process
+
 SCRIPT = str(ROOT / "fsdp_transformer.py")
 STEPS = 4
 COMMON = ["--device", "cpu", "--max_steps", str(STEPS), "--log_every", "1", "--sample", "0"]
@@ -86,6 +88,7 @@ def world2(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- default tier: one launch
+@shared
 def test_losses_and_first_gradient_equal_one_process_full_batch(world2, reference):
     """Per-step losses within LOSS_TOL; the first step's gradient norm (before clipping, full_tensor() of
     the sharded norm) equals the one-process one: a sum taken for an average would double it."""
@@ -98,6 +101,7 @@ def test_losses_and_first_gradient_equal_one_process_full_batch(world2, referenc
     assert m["replicas_in_sync"] is True and m["world_size"] == 2 and m["steps"] == STEPS, m
 
 
+@shared
 def test_each_rank_holds_half_of_the_parameters_gradients_and_adam_state(world2):
     _, result, m = world2
     params, per_rank = m["params"], m["memory_per_rank"]
@@ -112,6 +116,7 @@ def test_each_rank_holds_half_of_the_parameters_gradients_and_adam_state(world2)
     assert "memory per rank: parameters" in result.stdout and "peak memory (rank 0)" in result.stdout
 
 
+@shared
 def test_export_loads_into_ddp_transformers_model_and_equals_the_reference(world2, reference):
     work, result, _ = world2
     exported = torch.load(work / "whole.pt", weights_only=True)
@@ -121,6 +126,7 @@ def test_export_loads_into_ddp_transformers_model_and_equals_the_reference(world
         assert torch.allclose(p, q, atol=1e-5), name
 
 
+@shared
 def test_checkpoint_is_one_folder_of_every_ranks_shards_named_by_the_pointer(world2):
     work, _, _ = world2
     pointer = json.loads((work / "ck" / "latest.json").read_text())
@@ -142,6 +148,7 @@ class Payload:
         return open, (self.path, "w")
 
 
+@shared
 def test_a_metadata_payload_is_refused_and_never_runs(world2, tmp_path, capsys):
     work, _, _ = world2
     folder = tmp_path / "step-00000004"
@@ -156,6 +163,7 @@ def test_a_metadata_payload_is_refused_and_never_runs(world2, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- slow tier
+@shared
 @pytest.mark.slow
 def test_losses_equal_ddp_transformers_at_world_2(tmp_path, world2):
     _, _, m = world2
