@@ -637,10 +637,11 @@ def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None):
     Each micro-batch's summed loss is divided by them and multiplied by the world size,
     which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
     token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
+    Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
     """
     tokens = sum(y.numel() for _, y in micro_batches)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    scale = world / (step_tokens or tokens * world)
+    scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
     loss_sum = torch.zeros((), device=micro_batches[0][1].device)
     for i, (x, y) in enumerate(micro_batches):
         sync = i == len(micro_batches) - 1
@@ -911,7 +912,24 @@ def shard(model, device, args):
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    return fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    model = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    model.reduce_averages = reduction_averages(mesh, device)  # train_step scales the loss by it
+    if not model.reduce_averages:
+        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
+               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
+    return model
+
+
+def reduction_averages(mesh, device):
+    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
+    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
+    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
+    mean (world + 1) / 2 comes back where FSDP averages."""
+    world = dist.get_world_size()
+    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
+    fully_shard(probe, mesh=mesh)
+    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
+    return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
 
 
 def consolidated(model, config, device):
