@@ -57,7 +57,7 @@ def write_folder(root, counts, seed=0, make=None):
 
 def as_tensors(files):
     """Images (N, C, H, W) in [0, 1] and their labels, read here with PIL, independently of the script."""
-    images = torch.stack([torch.from_numpy(np.asarray(Image.open(p))) for p, _ in files]).double() / 255
+    images = torch.stack([torch.from_numpy(np.array(Image.open(p))) for p, _ in files]).double() / 255
     return images.permute(0, 3, 1, 2), torch.tensor([label for _, label in files])
 
 
