@@ -317,7 +317,7 @@ def test_lost_agent_alone_leaves_the_job_to_finish_then_torchrun_waits(tmp_path)
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert re.search(r"^done: ddp_gpus_torchrun.py \| 2 x cpu .* \| replicas in sync$", done, flags=re.MULTILINE), done
+    assert re.search(r"^done: ddp_gpus_torchrun.py \| 2 processes on cpu .* \| replicas in sync$", done, flags=re.MULTILINE), done
     assert "[CPU: 1] Epoch: 5 " in (tmp_path / "node1.out").read_text(), "node 1's worker trained to the end"
     assert waiting, "node 0's agent waits at the exit barrier"
     assert "error:" not in (tmp_path / "node0.err").read_text()

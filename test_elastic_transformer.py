@@ -273,7 +273,7 @@ def test_resumed_at_another_world_size_follows_the_uninterrupted_run(elastic, wo
     ref, resumed = runs["ref"].stdout, runs[f"w{world}"].stdout
     split = "--batch_size 8 x --grad_accum 2" if world == 1 else "--batch_size 4 x --grad_accum 1"
     assert f"global batch kept: 16 windows a step, as w{world}.pt was trained (2 processes), so each step trains " \
-           f"the batch an uninterrupted run would: here {world} processes x {split}" in resumed, resumed
+           f"the batch an uninterrupted run would: here {world} process{'es' if world > 1 else ''} x {split}" in resumed, resumed
     assert f"resuming from w{world}.pt at epoch 1, step 20, window 64 of {WINDOWS} in the epoch's order" in resumed
     before, after = step_lines(ref), step_lines(resumed)
     assert sorted(before) == list(range(1, 41)) and sorted(after) == list(range(21, 41)), resumed
