@@ -50,7 +50,7 @@ shards, and counts only once `latest.json` names it: rank 0 writes that pointer 
 every rank has finished, so a run killed mid-save resumes from the previous save, never from a
 mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
 as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
-torch.load(weights_only=False); this script reads `.metadata` with an unpickler that admits only
+a full, code-running torch.load; this script reads `.metadata` with an unpickler that admits only
 DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code. As
 in ddp_transformer.py, a folder another run left is continued only with --resume (the job's own,
 after a torchrun restart, without): the job is stamped in the pointer.
@@ -775,7 +775,7 @@ def check_tensors(folder, model):
 
 class SafeReader(FileSystemReader):
     """DCP's FileSystemReader with read_metadata's unpickler, and no entry read that is not a tensor
-    (DCP reads those with torch.load(weights_only=False)). Tensors it reads with weights_only=True."""
+    (DCP reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
 
     def read_metadata(self, *args, **kwargs):
         metadata = read_metadata(self.path)
