@@ -457,10 +457,12 @@ import pickle
 import re
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
 import traceback
+import zipfile
 from datetime import timedelta
 
 import torch
@@ -777,6 +779,7 @@ def continue_checkpoint(path, resume):
     if resume or resumes_this_job(path):
         return True
     try:
+        check_archive(path)  # a FIFO would hang the read
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         job = state.get("job")
         found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
@@ -955,15 +958,26 @@ def replicas_in_sync(model, device):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
-    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    """write(file) into a temporary file, flushed to disk, then rename it over `path` (atomic on POSIX)
+    and flush the folder: a crash, a kill, Ctrl-C or a power loss mid-write leaves the previous file
+    whole, never an empty one. The temporary file is created anew (O_EXCL): a link planted under its
+    name is not followed."""
     tmp = f"{path}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
 
 
@@ -1018,6 +1032,7 @@ def resumes_this_job(path):
     if job == "none":
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:  # mmap: only the small "job" entry is read from disk
+        check_archive(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
     except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
         return False
@@ -1028,39 +1043,71 @@ def write_json(path, record):
     atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
+def check_archive(path):
+    """Raise ValueError unless `path` is a plain file (a FIFO would hang the read) holding a zip archive
+    as torch.save writes it: every entry stored, none compressed, adding up to no more than the file.
+    torch.load would inflate a deflated entry: 115 KB of zeros becomes 64 MiB."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a plain file")
+    with zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
+            sum(e.file_size for e in entries) > os.path.getsize(path):
+        raise ValueError("its zip entries are compressed; torch.save stores them")
+
+
+def check_weights(path, state, model):
+    """`state["model"]` must be weights: a dict of tensors by name, and with `model`, its names and shapes;
+    `state["optimizer"]`, where there is one, an optimizer's state_dict (a dict of state and param groups)."""
+    theirs, optimizer = state["model"], state.get("optimizer", {})
+    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in theirs.items()):
+        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if not isinstance(optimizer, dict) or optimizer and not (isinstance(optimizer.get("state"), dict) and isinstance(
+            optimizer.get("param_groups"), list) and all(isinstance(g, dict) for g in optimizer["param_groups"])):
+        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if model is None:
+        return
+    mine = model.state_dict()
+    if set(theirs) != set(mine):
+        fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+             f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+             "delete it, or use the configuration that wrote it", every_node=True)
+    for name, tensor in mine.items():
+        if tuple(theirs[name].shape) != tuple(tensor.shape):
+            fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                 f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                 every_node=True)
+
+
 def load_checkpoint(path, keys, model=None):
     """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
 
     weights_only: tensors and plain values only, so a pickled object is refused before it
-    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
-    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
-    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
-    error line, not a traceback per rank, said on each machine whose copy has it.
+    can run; check_archive before it: a plain file, no compressed entry to inflate. map_location
+    cpu: load_state_dict then puts each tensor where its parameter lives (Adam's `step` stays
+    on the CPU, where reading it needs no GPU sync). `keys`: what the file must hold; its
+    "model" must be a dict of tensors, and with `model`, fit it. Any problem is one error line,
+    not a traceback per rank, said on each machine whose copy has it.
     """
     try:
+        check_archive(path)
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
+    except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
              every_node=True)
-    if model is not None:
-        mine, theirs = model.state_dict(), state["model"]
-        if set(theirs) != set(mine):
-            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
-                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
-                 "delete it, or use the configuration that wrote it", every_node=True)
-        for name, tensor in mine.items():
-            if tuple(theirs[name].shape) != tuple(tensor.shape):
-                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
-                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
-                     every_node=True)
+    if "model" in keys:
+        check_weights(path, state, model)
     return state
 
 

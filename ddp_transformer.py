@@ -670,20 +670,40 @@ def generate(model, vocab, prompt, count, seed):
 
 
 # ---------------------------------------------------------------- checkpoint
-def read_checkpoint(args, vocab):
-    """The --resume checkpoint, for this model and this text; anything else is one clear error."""
+def read_checkpoint(args, corpus):
+    """The --resume checkpoint, for this model and this text; anything else is one clear error.
+    Every value is checked before it is used: the counts are integers in range, the weights this
+    model's tensors, the text the one it was trained on (its fingerprint)."""
+    text, _, vocab = corpus
     state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "config", "vocab", "epoch", "step",
                                               "windows_in_epoch", "global_batch", "batch_size", "world_size"))
+    if not isinstance(state["vocab"], (str, type(None))) or not isinstance(state["config"], dict):
+        fail(f"{args.checkpoint} is not a checkpoint of this script (its vocab or config is not one)",
+             "delete it to start afresh", every_node=True)
     if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
-        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
-             f"this text has {len(vocab)})", "pass the same --data/--dataset as the run that wrote it")
+        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab'] or ''), 'symbol')}; "
+             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
+    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
+        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
+             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
+             "to start afresh")
+    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
+    ranges = {"epoch": (0, 2 ** 48), "step": (0, 2 ** 48), "windows_in_epoch": (0, windows - 1),
+              "global_batch": (1, max(windows, 2 ** 16)), "world_size": (1, 2 ** 24)}
+    bad = [k for k, (low, high) in ranges.items() if type(state[k]) is not int or not low <= state[k] <= high]
+    if not bad and (type(state["batch_size"]) is not int or not 1 <= state["batch_size"] <= state["global_batch"]):
+        bad = ["batch_size"]
+    if bad:
+        fail(f"{args.checkpoint} is not a checkpoint of this script ({', '.join(bad)} out of range for this text)",
+             "delete it to start afresh, or pass the --data it was trained on", every_node=True)
     config = model_config(args, vocab)
-    theirs = state["config"] if isinstance(state["config"], dict) else {}
-    differ = sorted(k for k in config if theirs.get(k) != config[k])
+    differ = sorted(k for k in config if state["config"].get(k) != config[k])
     if differ:
-        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={theirs.get(k)}" for k in differ)
+        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
              + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
              "pass the same model sizes as the run that wrote it")
+    with torch.device("meta"):  # the shapes only: no memory for weights
+        check_weights(args.checkpoint, state, Transformer(**config))
     return state
 
 
@@ -806,6 +826,7 @@ class Trainer:
         if dist.get_rank() == 0:
             save_checkpoint({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                              "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
+                             "text": self.args.fingerprint,
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                              "global_batch": self.global_batch, "batch_size": self.args.batch_size},
@@ -1136,8 +1157,9 @@ def main():
     """One process of the job; torchrun (or the user) describes the job in the environment."""
     args = check_args(parse_args())
     corpus = read_corpus(args)
+    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
     # a bad checkpoint is refused (one line) before any process group exists
-    checkpoint = read_checkpoint(args, corpus[2]) if args.resume else None
+    checkpoint = read_checkpoint(args, corpus) if args.resume else None
     if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
         keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
     prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
@@ -1171,10 +1193,12 @@ import pickle
 import re
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
 import traceback
+import zipfile
 from datetime import timedelta
 
 import torch
@@ -1491,6 +1515,7 @@ def continue_checkpoint(path, resume):
     if resume or resumes_this_job(path):
         return True
     try:
+        check_archive(path)  # a FIFO would hang the read
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         job = state.get("job")
         found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
@@ -1669,15 +1694,26 @@ def replicas_in_sync(model, device):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
-    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    """write(file) into a temporary file, flushed to disk, then rename it over `path` (atomic on POSIX)
+    and flush the folder: a crash, a kill, Ctrl-C or a power loss mid-write leaves the previous file
+    whole, never an empty one. The temporary file is created anew (O_EXCL): a link planted under its
+    name is not followed."""
     tmp = f"{path}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
 
 
@@ -1732,6 +1768,7 @@ def resumes_this_job(path):
     if job == "none":
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:  # mmap: only the small "job" entry is read from disk
+        check_archive(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
     except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
         return False
@@ -1742,39 +1779,71 @@ def write_json(path, record):
     atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
+def check_archive(path):
+    """Raise ValueError unless `path` is a plain file (a FIFO would hang the read) holding a zip archive
+    as torch.save writes it: every entry stored, none compressed, adding up to no more than the file.
+    torch.load would inflate a deflated entry: 115 KB of zeros becomes 64 MiB."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a plain file")
+    with zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
+            sum(e.file_size for e in entries) > os.path.getsize(path):
+        raise ValueError("its zip entries are compressed; torch.save stores them")
+
+
+def check_weights(path, state, model):
+    """`state["model"]` must be weights: a dict of tensors by name, and with `model`, its names and shapes;
+    `state["optimizer"]`, where there is one, an optimizer's state_dict (a dict of state and param groups)."""
+    theirs, optimizer = state["model"], state.get("optimizer", {})
+    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in theirs.items()):
+        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if not isinstance(optimizer, dict) or optimizer and not (isinstance(optimizer.get("state"), dict) and isinstance(
+            optimizer.get("param_groups"), list) and all(isinstance(g, dict) for g in optimizer["param_groups"])):
+        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if model is None:
+        return
+    mine = model.state_dict()
+    if set(theirs) != set(mine):
+        fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+             f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+             "delete it, or use the configuration that wrote it", every_node=True)
+    for name, tensor in mine.items():
+        if tuple(theirs[name].shape) != tuple(tensor.shape):
+            fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                 f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                 every_node=True)
+
+
 def load_checkpoint(path, keys, model=None):
     """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
 
     weights_only: tensors and plain values only, so a pickled object is refused before it
-    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
-    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
-    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
-    error line, not a traceback per rank, said on each machine whose copy has it.
+    can run; check_archive before it: a plain file, no compressed entry to inflate. map_location
+    cpu: load_state_dict then puts each tensor where its parameter lives (Adam's `step` stays
+    on the CPU, where reading it needs no GPU sync). `keys`: what the file must hold; its
+    "model" must be a dict of tensors, and with `model`, fit it. Any problem is one error line,
+    not a traceback per rank, said on each machine whose copy has it.
     """
     try:
+        check_archive(path)
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
+    except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
              every_node=True)
-    if model is not None:
-        mine, theirs = model.state_dict(), state["model"]
-        if set(theirs) != set(mine):
-            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
-                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
-                 "delete it, or use the configuration that wrote it", every_node=True)
-        for name, tensor in mine.items():
-            if tuple(theirs[name].shape) != tuple(tensor.shape):
-                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
-                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
-                     every_node=True)
+    if "model" in keys:
+        check_weights(path, state, model)
     return state
 
 

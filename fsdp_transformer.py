@@ -60,13 +60,19 @@ after a torchrun restart, without): the job is stamped in the pointer.
 import argparse
 import atexit
 import contextlib
+import enum
+import fcntl
 import hashlib
+import io
 import json
 import math
 import os
+import pathlib
 import pickle
+import pickletools
 import re
 import shutil
+import stat
 import sys
 import sysconfig
 import time
@@ -106,6 +112,7 @@ MAX_STEPS = 60
 # What --compile's first step took in ddp_transformer.py (its docstring); Throughput is the same in both files
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
+LOCK, LOCKED = ".lock", []  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
 
 
 # ---------------------------------------------------------------- arguments
@@ -253,7 +260,13 @@ def check_args(args):
         fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
              "install torch 2.7 or later")
     check_folders(args.checkpoint, args.metrics, args.export)
-    resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
+    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
+        fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
+             "overwrite a save or the pointer", "export to a file outside --checkpoint")
+    if args.export and os.path.isdir(args.export):
+        fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
+    resolve_device(args)
+    lock_checkpoint_folder(args.checkpoint)  # a second run on the same folder: one line  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
     return args
@@ -697,85 +710,212 @@ def generate(model, vocab, prompt, count, seed):
 
 
 # ---------------------------------------------------------------- checkpoint
-def read_checkpoint(args, vocab):
+def read_checkpoint(args, corpus):
     """The --resume checkpoint, for this model and this text; anything else is one clear error.
 
-    The pointer (JSON) names the save that counts and holds what is not a tensor; the save's
-    `.metadata` is read as data (read_metadata) and must list this model's tensors, each a tensor.
+    The pointer (JSON, checked field by field by read_pointer) names the save that counts and holds
+    what is not a tensor; the save's `.metadata` is read as data (read_metadata) and must list this
+    model's tensors, each a tensor, in files of that save's folder.
     """
-    state = read_pointer(args.checkpoint)
-    keys = ("folder", "config", "vocab", "epoch", "step", "windows_in_epoch", "global_batch", "batch_size",
-            "world_size")
-    if not set(keys) <= set(state) or os.sep in str(state["folder"]):
-        fail(f"{os.path.join(args.checkpoint, POINTER)} is not a checkpoint pointer of this script",
-             "delete the folder to start afresh", every_node=True)
+    state, (text, _, vocab) = read_pointer(args.checkpoint), corpus
     if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
         fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
-             f"this text has {len(vocab)})", "pass the same --data/--dataset as the run that wrote it")
+             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
+    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
+        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
+             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
+             "to start afresh")
     config = model_config(args, vocab)
-    theirs = state["config"] if isinstance(state["config"], dict) else {}
-    differ = sorted(k for k in config if theirs.get(k) != config[k])
+    differ = sorted(k for k in config if state["config"].get(k) != config[k])
     if differ:
-        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={theirs.get(k)}" for k in differ)
+        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
              + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
              "pass the same model sizes as the run that wrote it")
+    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
+    if state["windows_in_epoch"] >= windows or state["global_batch"] > max(windows, 2 ** 16):
+        fail(f"{os.path.join(args.checkpoint, POINTER)} is at window {state['windows_in_epoch']} of {windows}, "
+             f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
+             "delete the folder to start afresh", every_node=True)
     with torch.device("meta"):  # the shapes only: no memory for weights
         shapes = Transformer(**config)
-    check_tensors(os.path.join(args.checkpoint, state["folder"]), shapes)
+    check_tensors(inside(args.checkpoint, state["folder"], stat.S_ISDIR), shapes)
     return state
 
 
-SAFE_GLOBALS = {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+def inside(root, name, kind):
+    """root/name, refused (one error line) unless it lies inside `root` once every link is resolved and
+    is a plain file or folder (`kind`: stat.S_ISREG or stat.S_ISDIR): never a link out, a FIFO that
+    would hang the read, or a device."""
+    path = os.path.join(root, name)
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    try:
+        mode = os.lstat(path).st_mode  # lstat: a symbolic link is itself refused, not followed
+    except OSError as e:
+        mode, why = None, f"it cannot be read ({type(e).__name__})"
+    if mode is not None:
+        why = "" if kind(mode) else "it is a symbolic link" if stat.S_ISLNK(mode) else "it is not a plain " + \
+            ("file" if kind is stat.S_ISREG else "folder")
+    if os.sep in name or name in ("", ".", "..") or os.path.dirname(real) != top:
+        why = "it lies outside the checkpoint folder"
+    if why:
+        fail(f"checkpoint {root} names {name[:80]!r}, which is refused: {why}",
+             "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
+    return path
+
+
+def read_bounded(path, limit):
+    """The bytes of the plain file `path`, at most `limit` of them: opened without following a link and
+    without blocking (a FIFO), checked to be a plain file before a byte is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode) or size.st_size > limit:
+            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
+        return f.read(limit + 1)
+
+
+def layout_named(name):
+    """torch.serialization._get_layout, for the two layouts a saved tensor has: any other name is refused."""
+    if name not in ("torch.strided", "torch.sparse_coo"):
+        raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not a tensor layout")
+    return getattr(torch, name.split(".")[1])
+
+
+# What `.metadata` is made of, name by name: (module, name) as the pickle names it -> the object given.
+# Nothing dotted, no module admitted whole (a name like `os.system` resolves through a module's imports).
+# Paths become pure paths (no I/O), and the layout lookup is ours (layout_named).
+METADATA_GLOBALS = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
+                    ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"):
+                    pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+                    ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath}
+METADATA_GLOBALS.update({("torch", str(t).split(".")[1]): t for t in vars(torch).values() if isinstance(t, torch.dtype)})
+if not FSDP_MISSING:
+    import torch.distributed.checkpoint.filesystem as _filesystem
+    import torch.distributed.checkpoint.metadata as _metadata
+    METADATA_GLOBALS.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")})
+    METADATA_GLOBALS[(_filesystem.__name__, "_StorageInfo")] = _filesystem._StorageInfo
+# the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
+METADATA_OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+                    "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+                    "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "NONE", "NEWTRUE",
+                    "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
+                    "BINUNICODE", "SHORT_BINBYTES", "BINBYTES"}
+METADATA_LIMIT = 256 << 20  # bytes: DCP writes about 300 a tensor, so a million tensors fit
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle: admit only the classes it is made of (DCP's metadata, torch.Size, the
-    dtypes), so a pickled payload (a __reduce__ that names any other callable) is refused before it runs."""
+    """DCP's `.metadata` is a pickle: admit only the (module, name) pairs of METADATA_GLOBALS, exactly,
+    so a payload (a __reduce__ naming any other callable, or a dotted name that walks from an admitted
+    module to `os.system`) is refused before it runs."""
 
     def find_class(self, module, name):
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or (module, name) in SAFE_GLOBALS or module == "torch.distributed.checkpoint.metadata":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        if (module, name) in METADATA_GLOBALS:
+            return METADATA_GLOBALS[(module, name)]
+        raise pickle.UnpicklingError(f"{str(module)[:60]}.{str(name)[:60]} is not part of a checkpoint's metadata")
+
+
+def scan_pickle(data):
+    """Refuse, before unpickling, what the unpickler would act on before find_class sees anything: an
+    opcode DCP never writes, a memo index (the unpickler grows its memo to it: 2^32 entries from 12
+    bytes) beyond the entries made so far, or a frame longer than the file."""
+    memo = 0
+    for op, arg, _ in pickletools.genops(data):  # a length past the end of the file raises ValueError here
+        if op.name not in METADATA_OPCODES:
+            raise pickle.UnpicklingError(f"opcode {op.name} is not used in a checkpoint's metadata")
+        if op.name in ("BINPUT", "LONG_BINPUT") and arg > memo or op.name in ("BINGET", "LONG_BINGET") and \
+                arg >= memo or op.name == "FRAME" and arg > len(data):
+            raise pickle.UnpicklingError(f"{op.name} {arg} claims more than the file holds")
+        memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
+
+
+def unpickle_metadata(data):
+    """MetadataUnpickler on `data`, scanned first; the admitted classes' and enum members' attributes
+    are checked afterwards, since a pickle's BUILD can set attributes on any object it holds."""
+    scan_pickle(data)
+    held = [v for v in METADATA_GLOBALS.values() if hasattr(v, "__dict__")]
+    held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
+    before = [dict(vars(v)) for v in held]
+    try:
+        return MetadataUnpickler(io.BytesIO(data)).load()
+    finally:
+        for obj, attributes in zip(held, before):
+            now = dict(vars(obj))
+            if now.keys() != attributes.keys() or any(now[k] is not v for k, v in attributes.items()):
+                for k in now.keys() - attributes.keys():
+                    delattr(obj, k)
+                for k, v in attributes.items():
+                    setattr(obj, k, v)  # put back, then refused
+                raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
 
 
 def read_metadata(folder):
-    """The save's `.metadata`, unpickled by MetadataUnpickler; a missing or foreign one is one error line."""
+    """The save's `.metadata`, unpickled by unpickle_metadata and checked by check_metadata; a missing or
+    foreign one is one error line."""
     path = os.path.join(folder, ".metadata")
-    try:
-        with open(path, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         fail(f"{folder} is incomplete: it has no .metadata (a save that did not finish)",
              f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
-    except (pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError, AttributeError) as e:
-        fail(f"{path} was refused unread: {str(e)[:120]}", "load only checkpoints this script wrote; delete it "
-             "to start afresh", every_node=True)
-    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        fail(f"{path} is not a checkpoint's metadata", "delete the checkpoint folder to start afresh",
-             every_node=True)
+    try:
+        metadata = unpickle_metadata(read_bounded(inside(folder, ".metadata", stat.S_ISREG), METADATA_LIMIT))
+        check_metadata(metadata, folder)
+    except Exception as e:  # anything, MemoryError and RecursionError included: the file is refused
+        fail(f"{path} was refused unread: {type(e).__name__}: {str(e)[:120]}", "load only checkpoints this script "
+             "wrote; delete it to start afresh", every_node=True)
     return metadata
 
 
 def check_tensors(folder, model):
-    """The save must hold this model's weights, each a tensor of its shape (no pickled entry to unpickle)."""
+    """The save must hold this model's weights, each a tensor of its shape (read_metadata admits tensors only)."""
     saved = read_metadata(folder).state_dict_metadata
     for name, tensor in model.state_dict().items():
         entry = saved.get(f"model.{name}")
         if tuple(getattr(entry, "size", ())) != tuple(tensor.shape):
             fail(f"{folder} is for another model: model.{name} is "
-                 f"{tuple(entry.size) if hasattr(entry, 'size') else 'missing'} there, {tuple(tensor.shape)} here",
+                 f"{tuple(entry.size) if entry else 'missing'} there, {tuple(tensor.shape)} here",
                  "point --checkpoint at a folder this configuration wrote", every_node=True)
-    foreign = sorted(k for k, v in saved.items() if not hasattr(v, "chunks"))
-    if foreign:
-        fail(f"{folder} holds entries that are not tensors ({foreign[:3]}), which would be unpickled",
-             "load only checkpoints this script wrote", every_node=True)
+
+
+def check_metadata(metadata, folder):
+    """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
+    with a code-running torch.load), chunks inside their tensor, and every byte range inside a plain
+    file of this folder (relative_path: a name, never absolute or `..`)."""
+    md = _metadata
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
+            type(getattr(metadata, "storage_meta", None)) not in (md.StorageMeta, type(None)) or \
+            type(getattr(metadata, "planner_data", None)) not in (dict, type(None)):
+        raise ValueError("not a checkpoint's metadata")
+    for key, entry in entries.items():
+        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or \
+                type(getattr(entry, "properties", None)) is not md.TensorProperties or \
+                not isinstance(getattr(entry.properties, "dtype", None), torch.dtype) or \
+                type(getattr(entry, "size", None)) is not torch.Size or type(getattr(entry, "chunks", None)) is not list:
+            raise ValueError(f"entry {str(key)[:60]!r} is not a tensor's")
+        for chunk in entry.chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if type(chunk) is not md.ChunkStorageMetadata or type(offsets) is not torch.Size or \
+                    type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
+                    not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
+                raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
+    files = {}
+    storage = getattr(metadata, "storage_data", None)
+    for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
+        name, start, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if type(index) is not md.MetadataIndex or index.fqn not in entries or type(info) is not _filesystem._StorageInfo \
+                or type(name) is not str or type(start) is not int or type(length) is not int or \
+                getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
+            raise ValueError("its storage records are not a tensor file's byte ranges")
+        if name not in files:
+            files[name] = os.lstat(inside(folder, name, stat.S_ISREG)).st_size
+        if start + length > files[name]:
+            raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
 
 
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader with read_metadata's unpickler, and no entry read that is not a tensor
-    (DCP reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+    """DCP's FileSystemReader with read_metadata's unpickler and checks, and no entry read that is not
+    a tensor (DCP reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
 
     def read_metadata(self, *args, **kwargs):
         metadata = read_metadata(self.path)
@@ -791,30 +931,94 @@ class SafeReader(FileSystemReader):
             return super().read_data(plan, planner)
 
 
-def commit_checkpoint(root, folder, state):
-    """Rank 0, once every rank's shards and the .metadata are on disk: point latest.json at `folder`,
-    atomically (the save counts from here), then delete the saves before it."""
-    write_json(os.path.join(root, POINTER), {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID"),
-                                             "world_size": dist.get_world_size()})
-    for name in os.listdir(root):
-        if name.startswith("step-") and name != folder:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+SAVE = re.compile(r"step-\d{8}(-\d{1,6})?")  # the folder of one save: step-00000060, or step-00000060-1
+POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
+POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
+                  "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
 
 
 def read_pointer(root):
-    """The pointer (JSON) in checkpoint folder `root`, None where there is none; an unreadable one is one error line."""
+    """The pointer (JSON) in checkpoint folder `root`, None where there is none. Every field is checked
+    for its type and range, and the save it names must be a folder inside `root`: anything else is one
+    error line (never a traceback, nor a read outside the folder)."""
     pointer = os.path.join(root, POINTER)
-    if not os.path.exists(pointer):
+    if not os.path.lexists(pointer):
         return None
     try:
-        with open(pointer, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, ValueError) as e:
+        state = json.loads(read_bounded(inside(root, POINTER, stat.S_ISREG), POINTER_LIMIT),
+                           parse_constant=lambda name: {}[name])  # NaN and Infinity are not numbers here
+    except (OSError, ValueError, KeyError, RecursionError, MemoryError) as e:
         fail(f"cannot read {pointer} ({type(e).__name__})", "delete the folder to start afresh", every_node=True)
-    if not isinstance(state, dict):
-        fail(f"{pointer} is not a checkpoint pointer of this script", "delete the folder to start afresh",
-             every_node=True)
+    bad = [k for k, kind in POINTER_FIELDS.items() if not isinstance(state, dict) or type(state.get(k)) is bool
+           or not isinstance(state.get(k), kind)]
+    if not bad:  # in range: counts are not negative, a step holds at least one window, names are ours
+        bad = [k for k in ("epoch", "step", "windows_in_epoch") if not 0 <= state[k] < 2 ** 48] + \
+              [k for k in ("global_batch", "world_size") if not 0 < state[k] <= 2 ** 24] + \
+              ["batch_size"] * (not 0 < state["batch_size"] <= state["global_batch"]) + \
+              ["folder"] * (not SAVE.fullmatch(state["folder"])) + \
+              ["job"] * (not isinstance(state.get("job"), (str, type(None)))) + \
+              ["text"] * (type(state.get("text", 0)) is not int)
+    if bad:
+        fail(f"{pointer} is not a checkpoint pointer of this script ({', '.join(bad)} missing or out of range)",
+             "delete the folder to start afresh", every_node=True)
+    inside(root, state["folder"], stat.S_ISDIR)
     return state
+
+
+def lock_checkpoint_folder(root):
+    """Global rank 0 holds an exclusive lock (fcntl.flock) on `root`/.lock while it runs, so a second run on
+    the same folder is refused in one line instead of deleting the first one's saves. The kernel drops
+    the lock when the process ends, however it ends: a crash or a kill leaves nothing stuck."""
+    if global_rank() != 0:
+        return
+    os.makedirs(root, exist_ok=True)
+    try:  # O_NOFOLLOW: a link planted as .lock is refused, not followed
+        fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{LOCK} is not a plain file")
+    except OSError as e:
+        fail(f"cannot lock checkpoint folder {root} ({e})", "remove what is there, or pass another --checkpoint")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
+        fail(f"checkpoint folder {root} is in use by another run (process {holder} holds {LOCK})",
+             "wait for that run to end, or pass another --checkpoint")
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    LOCKED.append(fd)  # held open until this process exits
+
+
+def save_folder(root, step, committed):
+    """The folder of the save at `step`, never the one the pointer names (`committed`): a resumed run
+    that saves at its first step writes beside it, and the save that counts is deleted only once a newer
+    one is committed. Rank 0 removes a folder of that name a killed save left; a link planted there is
+    refused: the save would write wherever it points."""
+    name, n = f"step-{step:08d}", 0
+    while name == committed:
+        n, name = n + 1, f"step-{step:08d}-{n + 1}"
+    path = os.path.join(root, name)
+    if dist.get_rank() == 0 and os.path.lexists(path):
+        if os.path.islink(path) or not os.path.isdir(path):
+            fail(f"{path} is a link or a file, where this save would write its folder", "remove it and resume")
+        shutil.rmtree(path)
+    return name
+
+
+def commit_checkpoint(root, folder, state):
+    """Rank 0, once every rank's shards and the .metadata are on disk: flush the folder, point latest.json
+    at it, atomically and flushed (the save counts from here), then delete the saves before it."""
+    fd = os.open(os.path.join(root, folder), os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the folder's entries (DCP flushed the files themselves)
+    finally:
+        os.close(fd)
+    write_json(os.path.join(root, POINTER), {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID"),
+                                             "world_size": dist.get_world_size()})
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if SAVE.fullmatch(name) and name != folder and not os.path.islink(path) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)  # never a link's target: only our own folders
 
 
 def continue_checkpoint_folder(root, resume):
@@ -950,6 +1154,7 @@ class Trainer:
         self.amp = contextlib.nullcontext()  # no autocast: the MixedPrecisionPolicy casts (shard())
         # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
         self.epochs_run, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
+        self.committed = checkpoint["folder"] if checkpoint else None  # the save the pointer names
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
@@ -995,18 +1200,17 @@ class Trainer:
         that trained them, so that any world size that keeps the global batch can continue."""
         finished = self.windows_in_epoch == len(self.train_set)
         start = time.perf_counter()
-        root, folder = self.args.checkpoint, f"step-{self.step:08d}"
-        if dist.get_rank() == 0:  # a folder of this step left by a save that was killed: never mixed with this one
-            shutil.rmtree(os.path.join(root, folder), ignore_errors=True)
-            os.makedirs(root, exist_ok=True)
+        root = self.args.checkpoint
+        folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
         dist.barrier()
         # each rank writes its own shards; rank 0 then writes .metadata, after every rank has written
         dcp.save(self._tensors()[0], storage_writer=FileSystemWriter(os.path.join(root, folder)))
         if dist.get_rank() == 0:
-            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab,
+            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
                                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                                              "global_batch": self.global_batch, "batch_size": self.args.batch_size})
+        self.committed = folder
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
         self.clock.left_out(self.save_s[-1])
@@ -1340,8 +1544,9 @@ def main():
     """One process of the job; torchrun (or the user) describes the job in the environment."""
     args = check_args(parse_args())
     corpus = read_corpus(args)
+    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
     # a bad checkpoint is refused (one line) before any process group exists
-    checkpoint = read_checkpoint(args, corpus[2]) if args.resume else None
+    checkpoint = read_checkpoint(args, corpus) if args.resume else None
     if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
         keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
     prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
@@ -1375,10 +1580,12 @@ import pickle
 import re
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
 import traceback
+import zipfile
 from datetime import timedelta
 
 import torch
@@ -1695,6 +1902,7 @@ def continue_checkpoint(path, resume):
     if resume or resumes_this_job(path):
         return True
     try:
+        check_archive(path)  # a FIFO would hang the read
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         job = state.get("job")
         found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
@@ -1873,15 +2081,26 @@ def replicas_in_sync(model, device):
 
 
 def atomic_write(path, write):
-    """write(file) into a temporary file, then rename it over `path` (atomic on POSIX): a crash,
-    a kill or Ctrl-C mid-write leaves the previous file whole."""
+    """write(file) into a temporary file, flushed to disk, then rename it over `path` (atomic on POSIX)
+    and flush the folder: a crash, a kill, Ctrl-C or a power loss mid-write leaves the previous file
+    whole, never an empty one. The temporary file is created anew (O_EXCL): a link planted under its
+    name is not followed."""
     tmp = f"{path}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
 
 
@@ -1936,6 +2155,7 @@ def resumes_this_job(path):
     if job == "none":
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     try:  # mmap: only the small "job" entry is read from disk
+        check_archive(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
     except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
         return False
@@ -1946,39 +2166,71 @@ def write_json(path, record):
     atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
+def check_archive(path):
+    """Raise ValueError unless `path` is a plain file (a FIFO would hang the read) holding a zip archive
+    as torch.save writes it: every entry stored, none compressed, adding up to no more than the file.
+    torch.load would inflate a deflated entry: 115 KB of zeros becomes 64 MiB."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a plain file")
+    with zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
+            sum(e.file_size for e in entries) > os.path.getsize(path):
+        raise ValueError("its zip entries are compressed; torch.save stores them")
+
+
+def check_weights(path, state, model):
+    """`state["model"]` must be weights: a dict of tensors by name, and with `model`, its names and shapes;
+    `state["optimizer"]`, where there is one, an optimizer's state_dict (a dict of state and param groups)."""
+    theirs, optimizer = state["model"], state.get("optimizer", {})
+    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                               for k, v in theirs.items()):
+        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if not isinstance(optimizer, dict) or optimizer and not (isinstance(optimizer.get("state"), dict) and isinstance(
+            optimizer.get("param_groups"), list) and all(isinstance(g, dict) for g in optimizer["param_groups"])):
+        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if model is None:
+        return
+    mine = model.state_dict()
+    if set(theirs) != set(mine):
+        fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
+             f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
+             "delete it, or use the configuration that wrote it", every_node=True)
+    for name, tensor in mine.items():
+        if tuple(theirs[name].shape) != tuple(tensor.shape):
+            fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
+                 f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
+                 every_node=True)
+
+
 def load_checkpoint(path, keys, model=None):
     """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
 
     weights_only: tensors and plain values only, so a pickled object is refused before it
-    can run. map_location cpu: load_state_dict then puts each tensor where its parameter
-    lives (Adam's `step` stays on the CPU, where reading it needs no GPU sync). `keys`: what
-    the file must hold; `model`: its "model" weights must fit this model. Any problem is one
-    error line, not a traceback per rank, said on each machine whose copy has it.
+    can run; check_archive before it: a plain file, no compressed entry to inflate. map_location
+    cpu: load_state_dict then puts each tensor where its parameter lives (Adam's `step` stays
+    on the CPU, where reading it needs no GPU sync). `keys`: what the file must hold; its
+    "model" must be a dict of tensors, and with `model`, fit it. Any problem is one error line,
+    not a traceback per rank, said on each machine whose copy has it.
     """
     try:
+        check_archive(path)
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
                       "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except (OSError, RuntimeError, EOFError, ValueError, struct.error) as e:  # struct: a file of a few bytes
+    except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
              every_node=True)
-    if model is not None:
-        mine, theirs = model.state_dict(), state["model"]
-        if set(theirs) != set(mine):
-            fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
-                 f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
-                 "delete it, or use the configuration that wrote it", every_node=True)
-        for name, tensor in mine.items():
-            if tuple(theirs[name].shape) != tuple(tensor.shape):
-                fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
-                     f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
-                     every_node=True)
+    if "model" in keys:
+        check_weights(path, state, model)
     return state
 
 

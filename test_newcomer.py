@@ -208,7 +208,7 @@ def test_resume_on_other_text_names_the_data_not_the_sizes(tmp_path, monkeypatch
                 "vocab": first_vocab, "epoch": 0, "step": 5, "windows_in_epoch": 40, "global_batch": 8,
                 "batch_size": 8, "world_size": 1}, path)
     with pytest.raises(SystemExit) as exit_:
-        transformer.read_checkpoint(args, "abcdefghijklm")
+        transformer.read_checkpoint(args, ("", "a text", "abcdefghijklm"))
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(lines) == 1, lines
     assert "trained on other text (10 symbols; this text has 13)" in lines[0] and "--data" in lines[0], lines

@@ -837,7 +837,7 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     args = ddp_transformer.check_args(ddp_transformer.parse_args(
         ["--device", "cpu", "--d_model", "64", "--checkpoint", str(tmp_path / "ck.pt"), "--resume"]))
     with pytest.raises(SystemExit) as exited:
-        ddp_transformer.read_checkpoint(args, vocab)
+        ddp_transformer.read_checkpoint(args, (text, "the text", vocab))
     lines = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and "d_model" in lines[0], lines
 
