@@ -112,7 +112,7 @@ MAX_STEPS = 60
 # What --compile's first step took in ddp_transformer.py (its docstring); Throughput is the same in both files
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
-LOCK, LOCKED = ".lock", []  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
+LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
 
 
 # ---------------------------------------------------------------- arguments
@@ -771,7 +771,7 @@ def read_bounded(path, limit):
         size = os.fstat(fd)
         if not stat.S_ISREG(size.st_mode) or size.st_size > limit:
             raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
-        return f.read(limit + 1)
+        return f.read(size.st_size)  # read(n) allocates n bytes at once: the file's size, not the limit
 
 
 def layout_named(name):
@@ -845,8 +845,8 @@ def unpickle_metadata(data):
             if now.keys() != attributes.keys() or any(now[k] is not v for k, v in attributes.items()):
                 for k in now.keys() - attributes.keys():
                     delattr(obj, k)
-                for k, v in attributes.items():
-                    setattr(obj, k, v)  # put back, then refused
+                for k in (k for k, v in attributes.items() if now.get(k) is not v):
+                    setattr(obj, k, attributes[k])  # put back, then refused
                 raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
 
 
@@ -969,7 +969,7 @@ def lock_checkpoint_folder(root):
     """Global rank 0 holds an exclusive lock (fcntl.flock) on `root`/.lock while it runs, so a second run on
     the same folder is refused in one line instead of deleting the first one's saves. The kernel drops
     the lock when the process ends, however it ends: a crash or a kill leaves nothing stuck."""
-    if global_rank() != 0:
+    if global_rank() != 0 or os.path.realpath(root) in LOCKED:
         return
     os.makedirs(root, exist_ok=True)
     try:  # O_NOFOLLOW: a link planted as .lock is refused, not followed
@@ -986,7 +986,7 @@ def lock_checkpoint_folder(root):
              "wait for that run to end, or pass another --checkpoint")
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
-    LOCKED.append(fd)  # held open until this process exits
+    LOCKED[os.path.realpath(root)] = fd  # held open until this process exits
 
 
 def save_folder(root, step, committed):
@@ -998,7 +998,7 @@ def save_folder(root, step, committed):
     while name == committed:
         n, name = n + 1, f"step-{step:08d}-{n + 1}"
     path = os.path.join(root, name)
-    if dist.get_rank() == 0 and os.path.lexists(path):
+    if global_rank() == 0 and os.path.lexists(path):
         if os.path.islink(path) or not os.path.isdir(path):
             fail(f"{path} is a link or a file, where this save would write its folder", "remove it and resume")
         shutil.rmtree(path)

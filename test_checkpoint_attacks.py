@@ -1,0 +1,602 @@
+"""Checkpoints are data and stay in their folder (issue 30): the readers attacked as an attacker would.
+
+Each case: the payload (bytes or a planted file), the line expected (one `error:` line, exit code 2,
+or a correct resume where the input is harmless), and a marker file that exists only if the payload
+ran, or a file outside the checkpoint folder that must stay untouched. Everything runs in this
+process on a real save (torch.distributed.checkpoint writes it here, no process group needed) and
+calls the functions a resume calls: fsdp_transformer's read_pointer (through check_args),
+read_checkpoint, read_metadata and Trainer._load_checkpoint; the harness's load_checkpoint,
+atomic_write and continue_checkpoint. The fuzz test mutates the three files a resume reads, seeded;
+(slow) a sample of the mutations and the save-side attacks through real launches, and a save killed
+at several points.
+"""
+import contextlib
+import io
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import tracemalloc
+import zipfile
+
+import pytest
+import torch
+
+from conftest import ROOT, cpu_env, kill_group, run_bounded, torchrun_cmd
+
+sys.path.insert(0, str(ROOT))
+import ddp_gpus  # noqa: E402
+import ddp_main  # noqa: E402
+import ddp_transformer  # noqa: E402
+import fsdp_transformer as fsdp  # noqa: E402
+
+import torch.distributed.checkpoint as dcp  # noqa: E402  (after the scripts: the floor's import order)
+from torch.distributed.checkpoint.filesystem import FileSystemWriter  # noqa: E402
+
+TINY = ["--device", "cpu", "--d_model", "16", "--num_heads", "2", "--num_layers", "1", "--block_size", "16",
+        "--sample", "0"]
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(60))  # 3,000 characters
+MD = "torch.distributed.checkpoint.metadata"
+
+
+# ---------------------------------------------------------------- a real save, made in this process
+def write_save(root, data, step=4):
+    """A checkpoint folder as fsdp_transformer.py writes it: `step-N` (the model's and AdamW's tensors,
+    by DCP, no process group) and the pointer, of the tiny model on `data`."""
+    args = fsdp.fill_defaults(fsdp.parse_args([*TINY, "--data", str(data), "--checkpoint", str(root)]))
+    text, _, vocab = fsdp.read_corpus(args)
+    config = fsdp.model_config(args, vocab)
+    torch.manual_seed(0)
+    trainer = fsdp.Trainer.__new__(fsdp.Trainer)  # the Trainer's own save and load code, without FSDP
+    trainer.model = fsdp.Transformer(**config)
+    trainer.optimizer = fsdp.make_optimizer(trainer.model, args)
+    folder = f"step-{step:08d}"
+    dcp.save(trainer._tensors()[0], storage_writer=FileSystemWriter(str(root / folder)))
+    pointer = {"config": config, "vocab": vocab, "text": fsdp.text_fingerprint(text), "epoch": 0, "step": step,
+               "windows_in_epoch": 32, "global_batch": 8, "batch_size": 8, "folder": folder, "job": None,
+               "world_size": 1}
+    (root / "latest.json").write_text(json.dumps(pointer))
+    return pointer
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    where = tmp_path_factory.mktemp("pristine")
+    (where / "text.txt").write_text(TEXT)
+    write_save(where / "ck", where / "text.txt")
+    return where
+
+
+@pytest.fixture
+def ck(pristine, tmp_path, monkeypatch):
+    """A fresh copy of the save in tmp_path/ck, the text in tmp_path/text.txt, and a marker path."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    shutil.copytree(pristine / "ck", tmp_path / "ck")
+    shutil.copy(pristine / "text.txt", tmp_path / "text.txt")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "ck"
+
+
+def resume(ck, *extra):
+    """What `fsdp_transformer.py --resume` does with the checkpoint before training: check_args (which
+    reads the pointer), read_checkpoint (the pointer's values, .metadata, the files it names) and the
+    Trainer's load (DCP reads the tensors through SafeReader). Returns the state it resumed."""
+    args = fsdp.check_args(fsdp.parse_args([*TINY, "--data", str(ck.parent / "text.txt"), "--checkpoint", str(ck),
+                                            "--resume", *extra]))
+    corpus = fsdp.read_corpus(args)
+    state = fsdp.read_checkpoint(args, corpus)
+    trainer = fsdp.Trainer.__new__(fsdp.Trainer)
+    trainer.args = args
+    trainer.model = fsdp.Transformer(**fsdp.model_config(args, corpus[2]))
+    trainer.optimizer = fsdp.make_optimizer(trainer.model, args)
+    trainer._load_checkpoint(state)
+    return state
+
+
+def refused(call, capsys, *words):
+    """`call` ends with exactly one `error:` line on stderr and exit code 2, containing `words`."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        call()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert all(w in err[0] for w in words), err
+    return err[0]
+
+
+def su(text):
+    """SHORT_BINUNICODE: a string of up to 255 bytes."""
+    data = text.encode()
+    return b"\x8c" + bytes([len(data)]) + data
+
+
+def stack_global(module, name):
+    return su(module) + su(name) + b"\x93"
+
+
+def metadata_path(ck):
+    return ck / json.loads((ck / "latest.json").read_text())["folder"] / ".metadata"
+
+
+def rewritten(ck, change):
+    """The save's metadata loaded (as trusted here), changed by `change(metadata)`, pickled back."""
+    path = metadata_path(ck)
+    metadata = pickle.loads(path.read_bytes())
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def first(mapping):
+    return next(iter(mapping))
+
+
+# ---------------------------------------------------------------- the harmless input resumes
+def test_the_save_resumes_and_a_resumed_save_keeps_the_committed_folder(ck, capsys):
+    state = resume(ck)
+    assert state["step"] == 4 and state["folder"] == "step-00000004"
+    # a resumed run saving at its first step writes beside the save the pointer names, never over it
+    assert fsdp.save_folder(str(ck), 4, "step-00000004") == "step-00000004-1"
+    assert fsdp.save_folder(str(ck), 5, "step-00000004") == "step-00000005"
+    assert (ck / "step-00000004" / ".metadata").exists()
+
+
+# ---------------------------------------------------------------- .metadata: code
+CODE_PAYLOADS = {
+    # the issue's critical case: a dotted name resolved through the admitted module's own `import os`
+    "dotted name through an admitted module": lambda m: b"\x80\x04" + stack_global(MD, "os.system")
+    + su(f"touch {m}") + b"\x85R.",
+    "posix.system by its own name": lambda m: b"\x80\x04" + stack_global("posix", "system") + su(f"touch {m}") + b"\x85R.",
+    "builtins.open": lambda m: b"\x80\x04" + stack_global("builtins", "open") + su(str(m)) + su("w") + b"\x86R.",
+    "torch.load (a torch name that is not a dtype)": lambda m: b"\x80\x04" + stack_global("torch", "load")
+    + su(str(m)) + b"\x85R.",
+    "dotted name through torch": lambda m: b"\x80\x04" + stack_global("torch", "os.system") + su(f"touch {m}") + b"\x85R.",
+    "protocol 0 GLOBAL": lambda m: b"cos\nsystem\n" + b"(V" + f"touch {m}".encode() + b"\ntR.",
+    "copyreg extension code": lambda m: b"\x80\x02\x82\x01.",
+    "persistent id": lambda m: b"\x80\x02P1\n.",
+    "INST of an admitted module's dotted name": lambda m: b"(i" + MD.encode() + b"\nos.system\n.",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CODE_PAYLOADS))
+def test_a_metadata_payload_never_runs(ck, capsys, case):
+    marker = ck.parent / "payload-ran"
+    metadata_path(ck).write_bytes(CODE_PAYLOADS[case](marker))
+    refused(lambda: resume(ck), capsys, "refused unread")
+    assert not marker.exists()
+
+
+def test_a_payload_in_front_of_a_real_metadata_never_runs(ck, capsys):
+    """The call, then POP, then the real metadata: it used to unpickle to the real metadata, run the
+    command and resume with exit 0."""
+    marker, path = ck.parent / "payload-ran", metadata_path(ck)
+    real = path.read_bytes()
+    path.write_bytes(b"\x80\x04" + stack_global(MD, "os.system") + su(f"touch {marker}") + b"\x85R0" + real[2:])
+    refused(lambda: resume(ck), capsys, "refused unread")
+    assert not marker.exists()
+
+
+def test_attributes_set_by_build_are_refused_and_put_back(ck, capsys):
+    """BUILD sets attributes on any object the pickle holds: an enum member (process-wide), or an
+    admitted class through the slot-state form (setattr). Refused, and the attributes are restored."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    getstate = _StorageInfo.__getstate__
+    member = stack_global(MD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R"
+    for blob in (b"\x80\x04" + member + b"}" + su("_value_") + b"K\x07sb.",
+                 b"\x80\x04" + stack_global("torch.distributed.checkpoint.filesystem", "_StorageInfo") + b"N}"
+                 + su("__getstate__") + stack_global("torch", "Size") + b"s\x86b."):
+        metadata_path(ck).write_bytes(blob)
+        refused(lambda: resume(ck), capsys, "sets attributes of")
+    assert _MEM_FORMAT_ENCODING(0)._value_ == 0 and _StorageInfo.__getstate__ is getstate
+
+
+# ---------------------------------------------------------------- .metadata: memory and malformed values
+def test_memo_and_length_opcodes_allocate_nothing(ck, capsys):
+    """12 bytes that made the unpickler grow its memo to 2^24 entries (256 MiB) or 2^32 (MemoryError),
+    and lengths that claim 8 GiB: refused before anything is allocated."""
+    blobs = [b"\x80\x04}r" + struct.pack("<I", 2 ** 24) + b".", b"\x80\x04}r" + struct.pack("<I", 2 ** 32 - 1) + b".",
+             b"\x80\x04}h\xff.", b"\x80\x04\x8e" + struct.pack("<Q", 8 << 30) + b".",
+             b"\x80\x04\x8d" + struct.pack("<Q", 8 << 30) + b".", b"\x80\x04X" + struct.pack("<I", 2 ** 31) + b".",
+             b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"}."]
+    tracemalloc.start()
+    try:
+        for blob in blobs:
+            metadata_path(ck).write_bytes(blob)
+            refused(lambda: fsdp.read_metadata(str(ck / "step-00000004")), capsys, "refused unread")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+def test_deep_nesting_and_a_large_file_are_one_line(ck, capsys, monkeypatch):
+    path = metadata_path(ck)
+    original = path.read_bytes()
+    path.write_bytes(b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".")  # lists 10^5 deep
+    refused(lambda: resume(ck), capsys, "refused unread")
+    path.write_bytes(b"\x80\x04" + b"(" * 100_000 + b".")
+    refused(lambda: resume(ck), capsys, "refused unread")
+    monkeypatch.setattr(fsdp, "METADATA_LIMIT", 1000)  # the bound, checked before a byte is unpickled
+    path.write_bytes(original)
+    refused(lambda: resume(ck), capsys, "refused unread", "at most")
+
+
+def set_first_size(metadata, value):
+    first_entry = metadata.state_dict_metadata[first(metadata.state_dict_metadata)]
+    first_entry.size = value
+
+
+MALFORMED = {
+    "_get_layout('nope')": None,  # bytes patched in the test
+    "a size that is an int": lambda m: set_first_size(m, 5),
+    "a size that is a list": lambda m: set_first_size(m, [98, 16]),
+    "mixed key types": lambda m: m.state_dict_metadata.update({5: m.state_dict_metadata[first(m.state_dict_metadata)]}),
+    "a chunk outside its tensor": lambda m: setattr(
+        m.state_dict_metadata[first(m.state_dict_metadata)].chunks[0], "offsets", torch.Size([90, 0])),
+    "a non-tensor entry": lambda m: m.state_dict_metadata.update(
+        {"model.extra": __import__("torch.distributed.checkpoint.metadata").distributed.checkpoint.metadata
+         .BytesStorageMetadata()}),
+    "a transform (a decompressor) on a byte range": lambda m: setattr(
+        m.storage_data[first(m.storage_data)], "transform_descriptors", ["zstd"]),
+    "a byte range past the end of its file": lambda m: setattr(m.storage_data[first(m.storage_data)], "length", 10 ** 9),
+    "storage_data that is a list": lambda m: setattr(m, "storage_data", []),
+    "not Metadata at all": None,
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_metadata_is_one_line(ck, capsys, case):
+    path = metadata_path(ck)
+    if case == "_get_layout('nope')":
+        path.write_bytes(path.read_bytes().replace(su("torch.strided"), su("torch.nope___")))
+    elif case == "not Metadata at all":
+        path.write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    else:
+        rewritten(ck, MALFORMED[case])
+    refused(lambda: resume(ck), capsys, "refused unread")
+
+
+# ---------------------------------------------------------------- paths: every read stays in the folder
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "link out", "fifo", "folder"])
+def test_relative_path_stays_in_the_save(ck, capsys, where):
+    """A `.distcp` named outside the folder (absolute, `../..`, a link), or a FIFO (which hung the read):
+    refused before DCP opens it."""
+    outside = ck.parent / "outside.distcp"
+    shutil.copy(ck / "step-00000004" / "__0_0.distcp", outside)
+    name = {"absolute": str(outside), "dotdot": "../../outside.distcp", "link out": "__9_0.distcp",
+            "fifo": "__8_0.distcp", "folder": "__7_0.distcp"}[where]
+    if where == "link out":
+        os.symlink(outside, ck / "step-00000004" / name)
+    elif where == "fifo":
+        os.mkfifo(ck / "step-00000004" / name)
+    elif where == "folder":
+        os.mkdir(ck / "step-00000004" / name)
+
+    def point_at(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = name
+    rewritten(ck, point_at)
+    before = outside.stat().st_atime_ns, outside.read_bytes()
+    start = time.monotonic()
+    refused(lambda: resume(ck), capsys, "refused")
+    assert time.monotonic() - start < 30 and outside.read_bytes() == before[1]
+
+
+@pytest.mark.parametrize("folder", ["..", ".", "/", "/tmp", "step-00000004/..", "../ck/step-00000004", None,
+                                    ["step-00000004"], 5, "step-4"])
+def test_the_pointers_folder_is_a_save_of_this_folder(ck, capsys, folder):
+    """`"folder": ".."` loaded a save from the folder above; null or a list gave a traceback."""
+    shutil.copytree(ck / "step-00000004", ck.parent / "step-00000004")  # a save above, which must not be read
+    pointer = json.loads((ck / "latest.json").read_text())
+    (ck / "latest.json").write_text(json.dumps({**pointer, "folder": folder}))
+    refused(lambda: resume(ck), capsys, "latest.json")
+
+
+@pytest.mark.parametrize("what", ["step-N links out", "latest.json is a FIFO", "latest.json links out",
+                                  ".metadata is a FIFO", ".metadata links out", "step-N is a file"])
+def test_links_fifos_and_files_in_place_of_the_save(ck, capsys, what):
+    elsewhere = ck.parent / "elsewhere"
+    shutil.copytree(ck, elsewhere)
+    target = {"step-N links out": ck / "step-00000004", "latest.json is a FIFO": ck / "latest.json",
+              "latest.json links out": ck / "latest.json", ".metadata is a FIFO": metadata_path(ck),
+              ".metadata links out": metadata_path(ck), "step-N is a file": ck / "step-00000004"}[what]
+    (shutil.rmtree if target.is_dir() else os.remove)(target)
+    if "FIFO" in what:
+        os.mkfifo(target)
+    elif "file" in what:
+        target.write_text("")
+    else:
+        os.symlink(elsewhere / target.relative_to(ck), target)
+    start = time.monotonic()
+    refused(lambda: resume(ck), capsys)
+    assert time.monotonic() - start < 30
+
+
+# ---------------------------------------------------------------- the pointer's values
+BAD_VALUES = {"global_batch": ["2", 1e18, 10 ** 18, 0, -8, None, True, 2.0], "step": ["2", -1, 1.5, None, [4]],
+              "epoch": [-1, "0"], "windows_in_epoch": [10 ** 12, -32, 9999], "batch_size": [0, 9, "8"],
+              "world_size": [0, "1"], "vocab": [5, ["a"]], "config": [[], "x", None], "job": [5, ["x"]],
+              "text": ["x", 1.5]}
+
+
+def test_every_pointer_value_is_checked(ck, capsys):
+    pointer = json.loads((ck / "latest.json").read_text())
+    for key, values in BAD_VALUES.items():
+        for value in values:
+            (ck / "latest.json").write_text(json.dumps({**pointer, key: value}))
+            refused(lambda: resume(ck), capsys)
+    for text in ('{"step": NaN}', '{"step": Infinity}', "[" * 100_000 + "]" * 100_000, "{" * 100_000, "[]", "",
+                 "\xff\xfe", json.dumps({**pointer, "global_batch": float("nan")})):
+        (ck / "latest.json").write_text(text)
+        refused(lambda: resume(ck), capsys, "latest.json")
+
+
+def test_other_text_of_the_same_vocabulary_is_refused(ck, capsys):
+    """The same characters in another order: the same vocabulary, another text (its fingerprint)."""
+    (ck.parent / "text.txt").write_text(TEXT[::-1])
+    refused(lambda: resume(ck), capsys, "other text of the same", "fingerprint")
+
+
+def test_ddp_transformer_checks_its_values_and_its_text(tmp_path, capsys, monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "text.txt").write_text(TEXT)
+    path = tmp_path / "ck.pt"
+    args = ddp_transformer.check_args(ddp_transformer.parse_args([*TINY, "--data", str(tmp_path / "text.txt"),
+                                                                  "--checkpoint", str(path)]))
+    corpus = ddp_transformer.read_corpus(args)
+    config = ddp_transformer.model_config(args, corpus[2])
+    good = {"model": ddp_transformer.Transformer(**config).state_dict(), "optimizer": {}, "scaler": {},
+            "config": config, "vocab": corpus[2], "text": ddp_transformer.text_fingerprint(corpus[0]), "epoch": 0,
+            "step": 4, "windows_in_epoch": 32, "global_batch": 8, "batch_size": 8, "world_size": 1}
+    torch.save(good, path)
+    assert ddp_transformer.read_checkpoint(args, corpus)["step"] == 4
+    for change in ({"model": 5}, {"model": {"embedding.weight": "x"}}, {"model": {}}, {"global_batch": 10 ** 18},
+                   {"windows_in_epoch": 10 ** 12}, {"step": "2"}, {"global_batch": 2.0}, {"vocab": 5},
+                   {"text": 123}, {"optimizer": 5}, {"optimizer": {"state": 1, "param_groups": 2}}):
+        torch.save({**good, **change}, path)
+        refused(lambda: ddp_transformer.read_checkpoint(args, corpus), capsys)
+
+
+# ---------------------------------------------------------------- the harness's single-file reader
+def test_a_zip_bomb_and_a_fifo_are_refused_unread(tmp_path, capsys, monkeypatch):
+    """Deflated entries (115 KB that torch.load inflated to 64 MiB) and a FIFO (which hung the read)."""
+    monkeypatch.delenv("RANK", raising=False)
+    plain = tmp_path / "plain.pt"
+    torch.save({"model": {"w": torch.zeros(16 << 20)}, "epochs_run": 1}, plain)
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            dst.writestr(item.filename, src.read(item.filename))
+    assert bomb.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        refused(lambda: ddp_gpus.load_checkpoint(str(bomb), ("model",)), capsys, "compressed")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
+    refused(lambda: ddp_gpus.load_checkpoint(str(fifo), ("model",)), capsys, "not a plain file")
+    refused(lambda: ddp_gpus.continue_checkpoint(str(fifo), False), capsys, "not a checkpoint")
+
+
+def test_every_scripts_model_entry_is_checked(tmp_path, capsys, monkeypatch):
+    """`model` an int or a dict of strings gave a traceback in every script's load_checkpoint."""
+    monkeypatch.delenv("RANK", raising=False)
+    path, model = tmp_path / "snap.pt", torch.nn.Linear(3, 2)
+    for entry in (5, {"weight": "x", "bias": "y"}, {"weight": torch.zeros(2, 3)}, [1], {"weight": torch.zeros(3, 3),
+                                                                                        "bias": torch.zeros(2)}):
+        torch.save({"model": entry, "optimizer": {}, "epochs_run": 1}, path)
+        refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
+                "snap.pt")
+
+
+def test_ddp_main_checks_its_args_entry(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    args = ddp_main.parse_args(["--device", "cpu", "--checkpoint", str(tmp_path / "ck.pt"), "--resume"])
+    model = ddp_main.ConvNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    good = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": {}, "epoch": 1,
+            "args": {"dataset": "synthetic"}}
+    for change in ({"args": 5}, {"epoch": "1"}, {"epoch": -1}, {"scaler": 5},
+                   {"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}):
+        torch.save({**good, **change}, tmp_path / "ck.pt")
+        refused(lambda: ddp_main.restore_checkpoint(model, optimizer, scaler, [], args), capsys, "ck.pt")
+
+
+# ---------------------------------------------------------------- saving: what is written, where
+def test_atomic_write_flushes_and_follows_no_planted_link(tmp_path, monkeypatch):
+    """fsync of the file before the rename and of its folder after it; a link planted under the
+    temporary name is replaced, not written through."""
+    victim, path = tmp_path / "victim", tmp_path / "latest.json"
+    victim.write_text("keep")
+    os.symlink(victim, f"{path}.tmp{os.getpid()}")
+    synced, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (synced.append("replace"), real_replace(a, b)))
+    ddp_gpus.write_json(str(path), {"a": 1})
+    assert victim.read_text() == "keep" and json.loads(path.read_text()) == {"a": 1}
+    assert synced == [f"{path}.tmp{os.getpid()}", "replace", str(tmp_path)], synced
+
+
+def test_a_second_run_on_the_folder_is_refused_and_a_planted_link_is_not_written(ck, capsys):
+    """The lock: a second holder is refused in one line (flock: a second open file of this process
+    conflicts as another process's would). A `step-N` link planted before a save: refused."""
+    fsdp.LOCKED.clear()
+    fsdp.lock_checkpoint_folder(str(ck))
+    held = fsdp.LOCKED.pop(os.path.realpath(ck))
+    try:
+        refused(lambda: fsdp.lock_checkpoint_folder(str(ck)), capsys, "in use by another run", str(os.getpid()))
+    finally:
+        os.close(held)
+        fsdp.LOCKED.pop(os.path.realpath(ck), None)
+    other = ck.parent / "other"
+    other.mkdir()
+    os.symlink(other, ck / "step-00000005")
+    refused(lambda: fsdp.save_folder(str(ck), 5, "step-00000004"), capsys, "is a link or a file")
+    assert os.listdir(other) == [] and os.path.islink(ck / "step-00000005")
+
+
+@pytest.mark.parametrize("target", ["ck", "ck/latest.json", "ck/step-00000004/.metadata", "./ck/../ck/x.pt",
+                                    "link/x.pt", "."])
+def test_export_refuses_the_checkpoint_folder_and_anything_in_it(ck, capsys, target):
+    os.symlink("ck", ck.parent / "link")
+    argv = [*TINY, "--data", str(ck.parent / "text.txt"), "--checkpoint", "ck", "--resume", "--export", target]
+    refused(lambda: fsdp.check_args(fsdp.parse_args(argv)), capsys, "--export")
+
+
+# ---------------------------------------------------------------- fuzz: seeded mutations of the three files
+SEED, COUNT = 30, 300
+
+
+def mutate(data, rng):
+    """One random byte-level mutation: flip, overwrite, insert, delete, duplicate or truncate."""
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(max(1, len(data)))
+        kind = rng.randrange(6)
+        if kind == 0 and data:
+            data[at] ^= 1 << rng.randrange(8)
+        elif kind == 1 and data:
+            data[at] = rng.randrange(256)
+        elif kind == 2:
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        elif kind == 3:
+            del data[at:at + rng.randint(1, 16)]
+        elif kind == 4:
+            data[at:at] = data[at:at + rng.randint(1, 64)]
+        else:
+            del data[at:]
+    return bytes(data)
+
+
+def loads_or_one_line(call, capsys):
+    """`call` returns, or ends with one `error:` line and exit code 2; never another exception."""
+    capsys.readouterr()
+    try:
+        call()
+        return "loaded"
+    except SystemExit as exited:
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        return "refused"
+
+
+def outside_files(root):
+    """Every file under `root` but the checkpoint folder and the fuzzed single file: size and mtime."""
+    return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+                  if p.relative_to(root).parts[0] not in ("ck", "single.pt"))
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_the_readers_in_process(ck, capsys):
+    """COUNT mutations each of .metadata, latest.json and a harness checkpoint file, seeded (SEED): each
+    loads or is one error line within 10 s, and nothing outside the checkpoint folder changes."""
+    rng, outcomes = random.Random(SEED), {}
+    single = ck.parent / "single.pt"
+    torch.save({"model": torch.nn.Linear(3, 2).state_dict(), "optimizer": {}, "epochs_run": 1}, single)
+    originals = {name: path.read_bytes() for name, path in
+                 (("metadata", metadata_path(ck)), ("pointer", ck / "latest.json"), ("single", single))}
+    calls = {"metadata": lambda: fsdp.read_metadata(str(ck / "step-00000004")),
+             "pointer": lambda: fsdp.read_pointer(str(ck)),
+             "single": lambda: ddp_gpus.load_checkpoint(str(single), ("model", "optimizer", "epochs_run"),
+                                                        torch.nn.Linear(3, 2))}
+    paths = {"metadata": metadata_path(ck), "pointer": ck / "latest.json", "single": single}
+    before = outside_files(ck.parent)
+    for name in originals:
+        for i in range(COUNT):
+            paths[name].write_bytes(mutate(originals[name], rng))
+            start = time.monotonic()
+            outcome = loads_or_one_line(calls[name], capsys)
+            assert time.monotonic() - start < 10, (name, i)
+            outcomes[(name, outcome)] = outcomes.get((name, outcome), 0) + 1
+        paths[name].write_bytes(originals[name])
+    assert outside_files(ck.parent) == before
+    assert all(outcomes.get((name, "refused")) for name in originals), outcomes
+
+
+# ---------------------------------------------------------------- slow: through real launches
+def fsdp_launch(cwd, *args, n=1, timeout=240):
+    return run_bounded([*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", ROOT / "fsdp_transformer.py",
+                        *TINY, "--data", "text.txt", *map(str, args)], cwd, timeout=timeout, check=False)
+
+
+def one_error_line(result, *words):
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and all(w in errors[0] for w in words), str(result)
+    assert "Traceback (most recent call last)" not in result.stderr, str(result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_fuzz_sample_and_attacks_through_real_launches(ck):
+    """20 of the fuzz's mutations and the issue's attacks, each through a real launch: one error line
+    from the worker (torchrun then exits 1), or a resume that finishes; no payload runs."""
+    rng, work = random.Random(SEED), ck.parent
+    marker = work / "payload-ran"
+    shutil.copytree(ck, work / "pristine-copy")
+    originals = {p: p.read_bytes() for p in (metadata_path(ck), ck / "latest.json")}
+    cases = [(p, mutate(data, rng)) for p, data in originals.items() for _ in range(10)]
+    cases += [(metadata_path(ck), b"\x80\x04" + stack_global(MD, "os.system") + su(f"touch {marker}") + b"\x85R0"
+               + originals[metadata_path(ck)][2:]),
+              (ck / "latest.json", json.dumps({**json.loads(originals[ck / "latest.json"]), "folder": ".."}).encode())]
+    for path, data in cases:
+        path.write_bytes(data)
+        result = fsdp_launch(work, "--checkpoint", "ck", "--resume", "--max_steps", 5)
+        if result.returncode == 0:
+            assert "resuming from ck" in result.stdout, str(result)
+        else:
+            one_error_line(result)
+        shutil.rmtree(ck)
+        shutil.copytree(work / "pristine-copy", ck)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_save_killed_at_any_point_leaves_a_save_that_resumes(ck):
+    """A resumed run on another text's checkpoint used to delete the committed folder before its own
+    save was complete. Here a resumed run saves every step from its first; its saving rank is
+    SIGKILLed at points spread over the saves (the launch and its first save included); each time the
+    pointer names a complete save that resumes, and a second run on the folder is refused while one holds it."""
+    work = ck.parent
+    for attempt, delay in enumerate((0.0, 0.15, 0.3, 0.6, 1.0, 2.0)):
+        proc = subprocess.Popen([*map(str, torchrun_cmd()), "--standalone", "--nproc-per-node=2",
+                                 str(ROOT / "fsdp_transformer.py"), *TINY, "--data", "text.txt", "--checkpoint", "ck",
+                                 "--resume", "--max_steps", "400", "--save_every_steps", "1"], cwd=work,
+                                env=cpu_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            line = ""
+            while "resuming from" not in line and time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if not line and proc.poll() is not None:
+                    break
+            if attempt == 0:
+                second = fsdp_launch(work, "--checkpoint", "ck", "--resume", "--max_steps", 500)
+                one_error_line(second, "in use by another run")
+            time.sleep(delay)
+            workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            for pid in workers[:1]:  # one worker (either rank): the job dies mid-save or between saves
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            proc.wait(timeout=120)
+        finally:
+            kill_group(proc)
+            proc.communicate()
+        pointer = json.loads((ck / "latest.json").read_text())
+        assert (ck / pointer["folder"] / ".metadata").exists(), pointer
+    result = fsdp_launch(work, "--checkpoint", "ck", "--resume", "--max_steps", pointer["step"] + 1, n=2)
+    assert result.returncode == 0 and f"step {pointer['step']}," in result.stdout, str(result)
