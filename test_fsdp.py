@@ -133,7 +133,7 @@ def test_checkpoint_is_one_folder_of_every_ranks_shards_named_by_the_pointer(wor
     assert pointer["folder"] == f"step-{STEPS:08d}" and pointer["step"] == STEPS and pointer["world_size"] == 2
     files = sorted(os.listdir(work / "ck" / pointer["folder"]))
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
-    assert sorted(os.listdir(work / "ck")) == ["latest.json", pointer["folder"]]  # older saves removed
+    assert sorted(os.listdir(work / "ck")) == [".lock", "latest.json", pointer["folder"]]  # older saves removed
     metadata = fsdp_transformer.read_metadata(str(work / "ck" / pointer["folder"]))
     assert all(hasattr(v, "chunks") for v in metadata.state_dict_metadata.values())  # tensors only
 
