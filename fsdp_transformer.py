@@ -77,6 +77,7 @@ import sys
 import sysconfig
 import time
 import warnings
+import zipfile
 from datetime import timedelta
 
 import torch
@@ -913,6 +914,25 @@ def check_metadata(metadata, folder):
             raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
 
 
+def check_tensor_record(data):
+    """One tensor as DCP stores it (a torch.save archive), checked before torch.load reads it: every zip
+    entry stored, adding up to no more than the record (torch.load would inflate a deflated entry), and
+    its pickle naming only what rebuilds a plain tensor. torch's weights_only allowlist admits more
+    (DTensor and DeviceMesh among it): what a tensor record may name is decided here, not there."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        entries = archive.infolist()
+        if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > len(data):
+            raise ValueError("a tensor record's zip entries are compressed; torch.save stores them")
+        pickled = [e for e in entries if e.filename.endswith("/data.pkl")]
+        if len(pickled) != 1:
+            raise ValueError("a tensor record holds no data.pkl")
+        for op, arg, _ in pickletools.genops(archive.read(pickled[0])):
+            if op.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4") or op.name == "GLOBAL" and \
+                    arg not in ("torch._utils _rebuild_tensor_v2", "collections OrderedDict") and \
+                    not re.fullmatch(r"torch [A-Za-z0-9]+Storage", arg):
+                raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
+
+
 class SafeReader(FileSystemReader):
     """DCP's FileSystemReader with read_metadata's unpickler and checks, and no entry read that is not
     a tensor (DCP reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
@@ -922,6 +942,12 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _slice_file(self, file, sinfo):
+        """Each tensor's bytes, checked by check_tensor_record before DCP's torch.load reads them."""
+        data = super()._slice_file(file, sinfo).read()
+        check_tensor_record(data)
+        return io.BytesIO(data)
 
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):

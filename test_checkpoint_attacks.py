@@ -290,6 +290,40 @@ def test_relative_path_stays_in_the_save(ck, capsys, where):
     assert time.monotonic() - start < 30 and outside.read_bytes() == before[1]
 
 
+def record_rewritten(ck, change, compress=zipfile.ZIP_STORED):
+    """The first tensor's record (a torch.save archive inside __0_0.distcp) rebuilt with its data.pkl
+    changed by `change(bytes)`, written as a file of its own that the metadata then names."""
+    metadata = pickle.loads(metadata_path(ck).read_bytes())
+    index = first(metadata.storage_data)
+    info = metadata.storage_data[index]
+    blob = (ck / "step-00000004" / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w", compress) as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            dst.writestr(item.filename, change(data) if item.filename.endswith("/data.pkl") else data)
+    (ck / "step-00000004" / "__5_0.distcp").write_bytes(out.getvalue())
+    info.relative_path, info.offset, info.length = "__5_0.distcp", 0, len(out.getvalue())
+    metadata_path(ck).write_bytes(pickle.dumps(metadata))
+
+
+def test_a_tensor_record_names_nothing_but_a_tensor_and_is_not_compressed(ck, capsys):
+    """A `.distcp` record naming DeviceMesh (torch's weights_only allowlist would call its constructor)
+    or posix.system, and a record of deflated entries: refused by this script's own check."""
+    marker = ck.parent / "payload-ran"
+    pristine = {p: p.read_bytes() for p in (metadata_path(ck),)}
+    for name, words in (("torch.distributed.device_mesh\nDeviceMesh", "DeviceMesh"),
+                        (f"posix\nsystem", "posix system")):
+        record_rewritten(ck, lambda pkl: pkl.replace(b"collections\nOrderedDict", name.encode()))
+        refused(lambda: resume(ck), capsys, words, "not a tensor's")
+        metadata_path(ck).write_bytes(pristine[metadata_path(ck)])
+    record_rewritten(ck, lambda pkl: pkl, compress=zipfile.ZIP_DEFLATED)
+    refused(lambda: resume(ck), capsys, "compressed")
+    metadata_path(ck).write_bytes(pristine[metadata_path(ck)])
+    record_rewritten(ck, lambda pkl: pkl)  # the same record, stored: it resumes
+    assert resume(ck)["step"] == 4 and not marker.exists()
+
+
 @pytest.mark.parametrize("folder", ["..", ".", "/", "/tmp", "step-00000004/..", "../ck/step-00000004", None,
                                     ["step-00000004"], 5, "step-4"])
 def test_the_pointers_folder_is_a_save_of_this_folder(ck, capsys, folder):
