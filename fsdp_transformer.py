@@ -266,10 +266,10 @@ def check_args(args):
              "overwrite a save or the pointer", "export to a file outside --checkpoint")
     if args.export and os.path.isdir(args.export):
         fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
-    resolve_device(args)
-    lock_checkpoint_folder(args.checkpoint)  # a second run on the same folder: one line  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
+    resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
+    lock_checkpoint_folder(args.checkpoint)  # a second run on the same folder: one line
     return args
 
 
