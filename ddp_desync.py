@@ -1051,6 +1051,11 @@ def load_checkpoint(path, keys, model=None):
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
              every_node=True)
+    counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch",
+                                       "batch_size", "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
+    if counts:
+        fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
+             "delete it, or point the script at one it wrote", every_node=True)
     if "model" in keys:
         check_weights(path, state, model)
     return state

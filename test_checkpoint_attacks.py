@@ -433,6 +433,11 @@ def test_every_scripts_model_entry_is_checked(tmp_path, capsys, monkeypatch):
         torch.save({"model": entry, "optimizer": {}, "epochs_run": 1}, path)
         refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
                 "snap.pt")
+    for change in ({"epochs_run": "1"}, {"epochs_run": -1}, {"epochs_run": 1.5}, {"epochs_run": True},
+                   {"optimizer": 5}, {"optimizer": {"state": [], "param_groups": {}}}):
+        torch.save({"model": model.state_dict(), "optimizer": {}, "epochs_run": 1, **change}, path)
+        refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
+                "snap.pt")
 
 
 def test_ddp_main_checks_its_args_entry(tmp_path, capsys, monkeypatch):
@@ -479,6 +484,10 @@ def test_a_second_run_on_the_folder_is_refused_and_a_planted_link_is_not_written
     other.mkdir()
     os.symlink(other, ck / "step-00000005")
     refused(lambda: fsdp.save_folder(str(ck), 5, "step-00000004"), capsys, "is a link or a file")
+    os.remove(ck / ".lock")
+    os.symlink(other / "lock", ck / ".lock")  # a planted .lock is not followed (nor created out there)
+    refused(lambda: fsdp.lock_checkpoint_folder(str(ck)), capsys, "cannot lock")
+    assert os.listdir(other) == []
     assert os.listdir(other) == [] and os.path.islink(ck / "step-00000005")
 
 
