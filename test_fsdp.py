@@ -293,7 +293,7 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     shard.write_bytes(blob + data[len(blob):])
     in_entry = fsdp(tmp_path, "--max_steps", 4, "--checkpoint", entry, "--resume", check=False)
     for result, words in ((other, "d_model=128"), (cut, "incomplete"), (payload, "refused unread"),
-                          (in_entry, "Unsupported operand"), (missing, "no latest.json"),
+                          (in_entry, "cannot read checkpoint"), (missing, "no latest.json"),
                           (unasked, "at step 2 written by torchrun job")):
         # the worker exits 2; torchrun reports a failed worker with its own exit code, 1
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
