@@ -51,7 +51,8 @@ every rank has finished, so a run killed mid-save resumes from the previous save
 mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
 as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
 a full, code-running torch.load; this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, and refuses any non-tensor entry: a checkpoint is data, not code. As
+DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder:
+a checkpoint is data, not code. A second run on the same folder is refused (rank 0 locks it). As
 in ddp_transformer.py, a folder another run left is continued only with --resume (the job's own,
 after a torchrun restart, without): the job is stamped in the pointer.
 """
@@ -748,10 +749,10 @@ def inside(root, name, kind):
     is a plain file or folder (`kind`: stat.S_ISREG or stat.S_ISDIR): never a link out, a FIFO that
     would hang the read, or a device."""
     path = os.path.join(root, name)
-    real, top = os.path.realpath(path), os.path.realpath(root)
+    real, top = os.path.realpath(path.replace("\0", "?")), os.path.realpath(root)
     try:
         mode = os.lstat(path).st_mode  # lstat: a symbolic link is itself refused, not followed
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
         mode, why = None, f"it cannot be read ({type(e).__name__})"
     if mode is not None:
         why = "" if kind(mode) else "it is a symbolic link" if stat.S_ISLNK(mode) else "it is not a plain " + \

@@ -265,14 +265,17 @@ def test_malformed_metadata_is_one_line(ck, capsys, case):
 
 
 # ---------------------------------------------------------------- paths: every read stays in the folder
-@pytest.mark.parametrize("where", ["absolute", "dotdot", "link out", "fifo", "folder"])
+@pytest.mark.parametrize("where", ["absolute", "dotdot", "link out", "fifo", "folder", "nul", "device"])
 def test_relative_path_stays_in_the_save(ck, capsys, where):
     """A `.distcp` named outside the folder (absolute, `../..`, a link), or a FIFO (which hung the read):
     refused before DCP opens it."""
     outside = ck.parent / "outside.distcp"
     shutil.copy(ck / "step-00000004" / "__0_0.distcp", outside)
     name = {"absolute": str(outside), "dotdot": "../../outside.distcp", "link out": "__9_0.distcp",
-            "fifo": "__8_0.distcp", "folder": "__7_0.distcp"}[where]
+            "fifo": "__8_0.distcp", "folder": "__7_0.distcp", "nul": "__0_0.distcp\0/../../x",
+            "device": "__6_0.distcp"}[where]
+    if where == "device":  # /dev/zero under another name: a link, refused as one (a device node needs root)
+        os.symlink("/dev/zero", ck / "step-00000004" / name)
     if where == "link out":
         os.symlink(outside, ck / "step-00000004" / name)
     elif where == "fifo":
@@ -571,13 +574,16 @@ def test_fuzz_the_readers_in_process(ck, capsys):
 
 # ---------------------------------------------------------------- slow: through real launches
 def fsdp_launch(cwd, *args, n=1, timeout=240):
-    return run_bounded([*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", ROOT / "fsdp_transformer.py",
-                        *TINY, "--data", "text.txt", *map(str, args)], cwd, timeout=timeout, check=False)
+    """One process: plain `python` (a world of one, its exit code the script's own); more: torchrun."""
+    launcher = [sys.executable] if n == 1 else [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}"]
+    return run_bounded([*launcher, ROOT / "fsdp_transformer.py", *TINY, "--data", "text.txt", *map(str, args)], cwd,
+                       timeout=timeout, check=False)
 
 
 def one_error_line(result, *words):
+    """Exactly one `error:` line, exit code 2 (one process) and no traceback."""
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1 and all(w in errors[0] for w in words), str(result)
+    assert result.returncode == 2 and len(errors) == 1 and all(w in errors[0] for w in words), str(result)
     assert "Traceback (most recent call last)" not in result.stderr, str(result)
 
 
