@@ -1066,8 +1066,10 @@ def check_weights(path, state, model):
                                                for k, v in theirs.items()):
         fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
              "delete it, or point the script at one it wrote", every_node=True)
-    if not isinstance(optimizer, dict) or optimizer and not (isinstance(optimizer.get("state"), dict) and isinstance(
-            optimizer.get("param_groups"), list) and all(isinstance(g, dict) for g in optimizer["param_groups"])):
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(optimizer, dict) or optimizer and not (
+            isinstance(optimizer.get("state"), dict) and all(isinstance(v, dict) for v in optimizer["state"].values())
+            and isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
         fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
              "delete it, or point the script at one it wrote", every_node=True)
     if model is None:

@@ -437,7 +437,8 @@ def test_every_scripts_model_entry_is_checked(tmp_path, capsys, monkeypatch):
         refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
                 "snap.pt")
     for change in ({"epochs_run": "1"}, {"epochs_run": -1}, {"epochs_run": 1.5}, {"epochs_run": True},
-                   {"optimizer": 5}, {"optimizer": {"state": [], "param_groups": {}}}):
+                   {"optimizer": 5}, {"optimizer": {"state": [], "param_groups": {}}},
+                   {"optimizer": {"state": {0: 5}, "param_groups": []}}, {"optimizer": {"state": {}, "param_groups": [{}]}}):
         torch.save({"model": model.state_dict(), "optimizer": {}, "epochs_run": 1, **change}, path)
         refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
                 "snap.pt")
