@@ -796,7 +796,7 @@ if not FSDP_MISSING:
     import torch.distributed.checkpoint.metadata as _metadata
     METADATA_GLOBALS.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING")})
+        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(_metadata, n)})  # each in torch 2.7 and 2.14
     METADATA_GLOBALS[(_filesystem.__name__, "_StorageInfo")] = _filesystem._StorageInfo
 # the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
 METADATA_OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
