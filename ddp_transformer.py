@@ -250,7 +250,9 @@ def setup(args):
         device = torch.device("cpu")
         use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
+    # store: under torchrun, a namespace of its store for this attempt alone (a restart must not read the last one's)
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            store=attempt_store(rank, world_size, args.timeout),
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
     args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
@@ -1430,12 +1432,61 @@ def prepare_rendezvous(args, spawning=False):
         # nccl_trace_rank_` names the collective and the rank that never arrived (README).
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
-        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
-        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
-            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
+
+
+def attempt_store(rank, world_size, timeout):
+    """The store for init_process_group(store=...): under torchrun, a namespace of torchrun's store that
+    this attempt's processes alone use; elsewhere None (init_process_group then makes a store of its own).
+
+    torchrun (torch 2.5 on) keeps one store across the restarts of a job, and its workers use it
+    without a prefix of their own: a restarted rank would read the dead attempt's keys, gloo's
+    addresses or NCCL's unique id, and fail to connect or wait on a dead peer (pytorch#135712).
+    No variable torchrun sets tells the attempts apart on every node (TORCHELASTIC_RESTART_COUNT
+    counts each agent's own failures; a node that joins restarts everyone without counting), so
+    the number comes from the store: rank 0 opens attempt n (an atomic add: no earlier attempt
+    had n), and every other rank asks for it under a nonce of its own and takes only the answer
+    to that nonce, so an answer meant for a dead attempt is never read. Rank 0 answers whatever
+    it finds under each rank (a dead attempt's nonce too) until every rank has said it joined n.
+    Bounded: ranks that have not all joined within `timeout` seconds end it with one error line.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store made for this attempt alone
+        return None
+    deadline = time.monotonic() + timeout
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        if rank == 0:
+            attempt, answered = store.add("harness/attempts", 1), {}
+            missing = set(range(1, world_size))
+            while missing:
+                for r in sorted(missing):
+                    asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
+                    if asked is not None and answered.get(r) != asked:
+                        store.set(f"harness/answer/{asked.decode()}", str(attempt))
+                        answered[r] = asked
+                    if store.check([f"harness/joined/{attempt}/{r}"]):
+                        missing.discard(r)
+                if missing and time.monotonic() > deadline:
+                    report_error(f"error: {plural(len(missing), 'rank')[2:]} {', '.join(map(str, sorted(missing)))} "
+                                 f"did not join the process group within --timeout {timeout:g} s (frozen, or not "
+                                 "started on its node; raise --timeout if starting takes longer)")
+                    raise SystemExit(1)
+                if missing:
+                    time.sleep(0.05)
+        else:
+            nonce = os.urandom(8).hex()
+            store.set(f"harness/ask/{rank}", nonce)
+            attempt = int(store.get(f"harness/answer/{nonce}"))  # waits up to the store's timeout
+            store.set(f"harness/joined/{attempt}/{rank}", "1")
+    except RuntimeError as e:  # DistStoreError: rank 0 did not answer, or torchrun's store is gone
+        if rank <= 1:  # rank 1 speaks for the ranks waiting on rank 0
+            who = "torchrun's store" if rank == 0 else "rank 0"
+            report_error(f"error: {who} did not answer within --timeout {timeout:g} s, so this attempt has no "
+                         f"process group ({str(e).strip().splitlines()[0][:100]}) [rank {rank}]")
+        else:
+            time.sleep(30)  # bounded; torchrun stops this process once rank 1 has exited
+        raise SystemExit(1) from None
+    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
 
 
 def stop_on_interrupt():

@@ -155,9 +155,9 @@ run_restart() {
     # (a GPU runs this model ~30x faster: 32x the samples, or the job ends before the kill lands)
     local agent worker i samples=8192
     [ "$DEVICE" = cuda ] && samples=262144
-    # a fresh rendezvous store per restart: with the shared one (torch >= 2.5) restarted gloo
-    # workers read the dead workers' addresses and cannot connect (pytorch#135712)
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
+    # the tutorial's command, nothing set: each attempt joins in a namespace of torchrun's store of
+    # its own (the harness's attempt_store), so restarted workers never read the dead ones' addresses
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
         --max_epochs 4 --samples "$samples" --batch_size 16 --metrics m.json &
     agent=$!
     for ((i = 0; i < 600; i++)); do [ -e ddp_gpus_torchrun.pt ] && break; sleep 0.1; done
