@@ -209,9 +209,8 @@ def setup(args):
         # without LOCAL_WORLD_SIZE (a hand-made launch) every rank is taken to be on this machine
         use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
-    # store: under torchrun, a namespace of its store for this attempt alone (a restart must not read the last one's)
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=attempt_store(rank, world_size, args.timeout),
+                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
     return device
@@ -999,50 +998,59 @@ def attempt_store(rank, world_size, timeout):
     addresses or NCCL's unique id, and fail to connect or wait on a dead peer (pytorch#135712).
     No variable torchrun sets tells the attempts apart on every node (TORCHELASTIC_RESTART_COUNT
     counts each agent's own failures; a node that joins restarts everyone without counting), so
-    the number comes from the store: rank 0 opens attempt n (an atomic add: no earlier attempt
-    had n), and every other rank asks for it under a nonce of its own and takes only the answer
-    to that nonce, so an answer meant for a dead attempt is never read. Rank 0 answers whatever
-    it finds under each rank (a dead attempt's nonce too) until every rank has said it joined n.
-    Bounded: ranks that have not all joined within `timeout` seconds end it with one error line.
+    the attempt's number comes from the store itself (open_attempt, join_attempt). Bounded: ranks
+    that have not all joined within `timeout` seconds end the attempt with one error line.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store made for this attempt alone
         return None
-    deadline = time.monotonic() + timeout
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=timeout))
-        if rank == 0:
-            attempt, answered = store.add("harness/attempts", 1), {}
-            missing = set(range(1, world_size))
-            while missing:
-                for r in sorted(missing):
-                    asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
-                    if asked is not None and answered.get(r) != asked:
-                        store.set(f"harness/answer/{asked.decode()}", str(attempt))
-                        answered[r] = asked
-                    if store.check([f"harness/joined/{attempt}/{r}"]):
-                        missing.discard(r)
-                if missing and time.monotonic() > deadline:
-                    report_error(f"error: {plural(len(missing), 'rank')[2:]} {', '.join(map(str, sorted(missing)))} "
-                                 f"did not join the process group within --timeout {timeout:g} s (frozen, or not "
-                                 "started on its node; raise --timeout if starting takes longer)")
-                    raise SystemExit(1)
-                if missing:
-                    time.sleep(0.05)
-        else:
-            nonce = os.urandom(8).hex()
-            store.set(f"harness/ask/{rank}", nonce)
-            attempt = int(store.get(f"harness/answer/{nonce}"))  # waits up to the store's timeout
-            store.set(f"harness/joined/{attempt}/{rank}", "1")
+        attempt = open_attempt(store, world_size, timeout) if rank == 0 else join_attempt(store, rank)
     except RuntimeError as e:  # DistStoreError: rank 0 did not answer, or torchrun's store is gone
         if rank <= 1:  # rank 1 speaks for the ranks waiting on rank 0
-            who = "torchrun's store" if rank == 0 else "rank 0"
-            report_error(f"error: {who} did not answer within --timeout {timeout:g} s, so this attempt has no "
-                         f"process group ({str(e).strip().splitlines()[0][:100]}) [rank {rank}]")
+            who = "rank 0" if rank else "torchrun's store"
+            report_error(f"error: {who} did not answer within --timeout "
+                         f"{timeout:g} s, so this attempt has no process group "
+                         f"({str(e).strip().splitlines()[0][:100]}) [rank {rank}]")
         else:
             time.sleep(30)  # bounded; torchrun stops this process once rank 1 has exited
         raise SystemExit(1) from None
     return dist.PrefixStore(f"harness/attempt/{attempt}", store)
+
+
+def open_attempt(store, world_size, timeout):
+    """Rank 0: open attempt n (an atomic add: no earlier attempt had n) and answer each rank's request
+    (join_attempt) with it, whatever is found under that rank, a dead attempt's request too, until
+    every rank has said it joined n. Returns n; one error line and exit 1 after `timeout` seconds."""
+    attempt, answered, deadline = store.add("harness/attempts", 1), {}, time.monotonic() + timeout
+    missing = set(range(1, world_size))
+    while missing:
+        for r in sorted(missing):
+            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
+            if asked is not None and answered.get(r) != asked:
+                store.set(f"harness/answer/{asked.decode()}", str(attempt))
+                answered[r] = asked
+            if store.check([f"harness/joined/{attempt}/{r}"]):
+                missing.discard(r)
+        if missing and time.monotonic() > deadline:
+            report_error(f"error: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} "
+                         f"did not join the process group within --timeout {timeout:g} s (frozen, or not "
+                         "started on its node; raise --timeout if starting takes longer)")
+            raise SystemExit(1)
+        if missing:
+            time.sleep(0.05)
+    return attempt
+
+
+def join_attempt(store, rank):
+    """Any other rank: ask for the attempt's number under a nonce of its own and take only the answer to
+    that nonce, so an answer meant for a dead attempt's rank is never read; then say it joined."""
+    nonce = os.urandom(8).hex()
+    store.set(f"harness/ask/{rank}", nonce)
+    attempt = int(store.get(f"harness/answer/{nonce}"))  # waits up to the store's timeout
+    store.set(f"harness/joined/{attempt}/{rank}", "1")
+    return attempt
 
 
 def stop_on_interrupt():
