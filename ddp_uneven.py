@@ -754,28 +754,28 @@ def attempt_store(rank, world_size, timeout):
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store made for this attempt alone
         return None
+    deadline = time.monotonic() + timeout
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(seconds=timeout))
-        attempt = open_attempt(store, world_size, timeout) if rank == 0 else join_attempt(store, rank)
-    except RuntimeError as e:  # DistStoreError: rank 0 did not answer, or torchrun's store is gone
-        if rank <= 1:  # rank 1 speaks for the ranks waiting on rank 0
-            who = "rank 0" if rank else "torchrun's store"
-            report_error(f"error: {who} did not answer within --timeout "
-                         f"{timeout:g} s, so this attempt has no process group "
-                         f"({str(e).strip().splitlines()[0][:100]}) [rank {rank}]")
+        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
+    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
+        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
+            what = (f"{e} did not join this attempt's process group within --timeout {timeout:g} s (frozen, or not "
+                    "started on its node; raise --timeout if starting takes longer)" if isinstance(e, TimeoutError)
+                    else f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
+            report_error(f"error: {what}" + (f" [rank {rank}]" if rank else ""))
         else:
             time.sleep(30)  # bounded; torchrun stops this process once rank 1 has exited
         raise SystemExit(1) from None
     return dist.PrefixStore(f"harness/attempt/{attempt}", store)
 
 
-def open_attempt(store, world_size, timeout):
+def open_attempt(store, world_size, deadline):
     """Rank 0: open attempt n (an atomic add: no earlier attempt had n) and answer each rank's request
     (join_attempt) with it, whatever is found under that rank, a dead attempt's request too, until
-    every rank has said it joined n. Returns n; one error line and exit 1 after `timeout` seconds."""
-    attempt, answered, deadline = store.add("harness/attempts", 1), {}, time.monotonic() + timeout
-    missing = set(range(1, world_size))
+    every rank has said it joined n. Returns n; TimeoutError naming the ranks missing at `deadline`."""
+    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
     while missing:
         for r in sorted(missing):
             asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
@@ -785,21 +785,22 @@ def open_attempt(store, world_size, timeout):
             if store.check([f"harness/joined/{attempt}/{r}"]):
                 missing.discard(r)
         if missing and time.monotonic() > deadline:
-            report_error(f"error: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))} "
-                         f"did not join the process group within --timeout {timeout:g} s (frozen, or not "
-                         "started on its node; raise --timeout if starting takes longer)")
-            raise SystemExit(1)
+            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
         if missing:
             time.sleep(0.05)
     return attempt
 
 
-def join_attempt(store, rank):
+def join_attempt(store, rank, deadline):
     """Any other rank: ask for the attempt's number under a nonce of its own and take only the answer to
     that nonce, so an answer meant for a dead attempt's rank is never read; then say it joined."""
     nonce = os.urandom(8).hex()
     store.set(f"harness/ask/{rank}", nonce)
-    attempt = int(store.get(f"harness/answer/{nonce}"))  # waits up to the store's timeout
+    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0")
+        time.sleep(0.05)
+    attempt = int(store.get(f"harness/answer/{nonce}"))
     store.set(f"harness/joined/{attempt}/{rank}", "1")
     return attempt
 
