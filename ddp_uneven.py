@@ -805,23 +805,34 @@ def join_attempt(store, rank, deadline):
     return attempt
 
 
-def stop_on_interrupt():
-    """Watch for Ctrl-C in this process. Returns a list that fills when SIGINT arrives.
+def stop_on_interrupt(checkpoint=None):
+    """Watch for Ctrl-C in this process. Returns {"sigint": True once it came, "said": True once said}.
 
-    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
-    that the `interrupted` line is still printed; a process whose SIGINT was ignored when
-    it started (a background job) keeps ignoring it.
+    The first SIGINT has rank 0 say at once what was kept, before a peer that stopped first or the
+    launcher can end it, then raises KeyboardInterrupt, which unwinds to explained_failures (a
+    checkpoint being written is removed on the way). Raised where an error is already on its way
+    there, say the failed collective of a peer that stopped first, it would replace that error,
+    and in a `with` statement's exit pass explained_failures by: so there the signal is raised
+    again, and handled at the next point where no error is under way. Once raised, further SIGINTs
+    are ignored; a process whose SIGINT was ignored when it started (a background job) keeps ignoring it.
     """
-    received = []
+    interrupted = {"sigint": False, "said": False}
 
     def on_sigint(signum, frame):
-        received.append(signum)
+        if not interrupted["sigint"] and global_rank() == 0:
+            with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+                interrupted["said"] = True
+        interrupted["sigint"] = True
+        if sys.exc_info()[1] is not None:  # an error under way: let it reach explained_failures first
+            signal.raise_signal(signal.SIGINT)
+            return
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_sigint)
-    return received
+    return interrupted
 
 
 def describe_checkpoint(path):
@@ -884,17 +895,19 @@ def explained_failures(timeout, checkpoint=None):
     """
     health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
         if dist.get_backend() == "gloo" else None
-    interrupted = stop_on_interrupt()
+    interrupted = stop_on_interrupt(checkpoint)
     try:
         yield
     except (KeyboardInterrupt, RuntimeError) as error:
-        if interrupted or isinstance(error, KeyboardInterrupt):
-            # a peer that stopped first can fail our collective before our own SIGINT is seen
-            if global_rank() == 0:
+        # a peer that stopped first can fail our collective before our own SIGINT is seen: it may come
+        # while the failure is explained, and then it is a Ctrl-C all the same
+        line = explain_collective_failure(error, health, timeout) \
+            if health is not None and not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt) else None
+        if interrupted["sigint"] or isinstance(error, KeyboardInterrupt):
+            if global_rank() == 0 and not interrupted["said"]:
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
             sys.stderr.flush()
             os._exit(130)
-        line = explain_collective_failure(error, health, timeout) if health is not None else None
         if line is None:
             raise
         if line:
