@@ -399,6 +399,32 @@ def test_sbatch_warns_when_a_node_has_fewer_cpus_than_processes(tmp_path):
     env.update(SLURM_CPUS_ON_NODE="32")
     assert sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path).stderr == ""
 
+def test_sbatch_passes_max_restarts_and_a_node_says_how_it_ended(tmp_path):
+    """MAX_RESTARTS (default 3) reaches torchrun as --max-restarts, a bad value is one error line, and a
+    node other than the first prints one line at the end: which node, how its torchrun exited, where the
+    checkpoint is. Stand-ins: `srun` runs its command as node 1, `torchrun` prints what it was given and
+    exits 3 (no cluster, no training)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\necho node1\n")
+    (bin_dir / "fake-torchrun").write_text('#!/bin/sh\necho "torchrun $*"\nexit 3\n')
+    for tool in ("srun", "scontrol", "fake-torchrun"):
+        (bin_dir / tool).chmod(0o755)
+    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=7, SLURM_JOB_NODELIST="node[0-1]",
+                  SLURM_JOB_NUM_NODES=2, SLURM_NTASKS_PER_NODE=2, TORCHRUN="fake-torchrun")
+    sbatch = ROOT / "slurm" / "train.sbatch"
+    r = sh(["bash", sbatch, "ddp_gpus_torchrun.py", "--snapshot_path", "ck.pt"], env=env, cwd=tmp_path, check=False)
+    assert r.returncode == 3 and "--max-restarts=3 " in r.stdout, r
+    assert r.stdout.strip().splitlines()[-1] == (f"node 1 of 2 ({socket.gethostname()}): torchrun exited 3; "
+                                                 f"checkpoint: {tmp_path}/ck.pt (written by global rank 0)"), r.stdout
+    r = sh(["bash", sbatch, "ddp_transformer.py"], env={**env, "MAX_RESTARTS": "0"}, cwd=tmp_path, check=False)
+    assert "--max-restarts=0 " in r.stdout and f"checkpoint: the script's default file, in {tmp_path}" in r.stdout, r
+    r = sh(["bash", sbatch, "ddp_transformer.py"], env={**env, "MAX_RESTARTS": "three"}, cwd=tmp_path, check=False)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: MAX_RESTARTS must be a whole number, got 'three' (export MAX_RESTARTS=3, or 0)"], r
+
+
 SLURM_CONF = """\
 # A private one-node cluster for the tests: its own ports, state and munge socket.
 ClusterName=ddptest
