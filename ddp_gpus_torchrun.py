@@ -10,7 +10,7 @@ Each process prints the seed's line (`[GPU: 0] Epoch: 0 | Batchsize: 32 | Steps:
 
 Launch:
     torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --max_epochs 5 --batch_size 32
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=gpu --max-restarts=3 ddp_gpus_torchrun.py
+    torchrun --standalone --nproc-per-node=gpu --max-restarts=3 ddp_gpus_torchrun.py   # restarts on a failure
     torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 --nproc-per-node=8 ddp_gpus_torchrun.py
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --device cpu
 

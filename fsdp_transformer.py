@@ -18,8 +18,8 @@ Launch:
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --max_steps 200 --resume  # continue
     torchrun --standalone --nproc-per-node=4 fsdp_transformer.py --max_steps 200 --resume  # ... resharded to 4
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --export model.pt  # one file for Transformer
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \
-        fsdp_transformer.py --save_every_steps 10          # a restarted job continues its last save
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \
+        --save_every_steps 10                              # a restarted job continues its last save
 
 The choices, where sharding is applied (shard()):
 - The mesh: an explicit 1-D device mesh over all ranks (init_device_mesh), of --device's type.

@@ -135,12 +135,17 @@ run_nodes() {
     local port per_node=$((N / 2)) dev=() pids=() node gpus
     port="$(free_port)"
     if [ "$per_node" -lt 1 ]; then per_node=1; dev=(--device cpu); fi  # one GPU cannot host two ranks
+    # both "nodes" share this machine's cores, but each agent counts only its own processes (torchrun sets
+    # OMP_NUM_THREADS=1 only for more than one per node): unset, each process would take every core
+    local threads=$(( $(nproc) / (2 * per_node) ))
+    [ "$threads" -ge 1 ] || threads=1
     for node in 0 1; do
         # each "node" sees its own half of the GPUs, as two machines would: with all of them
         # visible, local rank r on both nodes would pick GPU r and NCCL refuses the duplicate
         gpus="$(gpu_list $((node * per_node)) "$per_node")"
         [ "$DEVICE" = cuda ] && [ ${#dev[@]} = 0 ] || gpus="${CUDA_VISIBLE_DEVICES-}"
-        CUDA_VISIBLE_DEVICES="$gpus" "${TORCHRUN[@]}" --nnodes=2 --node-rank=$node --nproc-per-node=$per_node \
+        OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}" CUDA_VISIBLE_DEVICES="$gpus" \
+            "${TORCHRUN[@]}" --nnodes=2 --node-rank=$node --nproc-per-node=$per_node \
             --master-addr=127.0.0.1 --master-port="$port" "$HERE/ddp_gpus_torchrun.py" \
             --max_epochs 5 --batch_size 32 --metrics m.json "${dev[@]}" &
         pids+=($!)

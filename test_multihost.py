@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, cpu_env, kill_group, torchrun_cmd
 
@@ -576,14 +577,25 @@ def slurm_cluster(tmp_path, request):
 
 
 def test_slurm_sbatch_one_node(slurm_cluster):
-    """sbatch slurm/train.sbatch on one node with 2 tasks: torchrun starts 2 CPU processes."""
+    """sbatch slurm/train.sbatch on one node with 2 tasks: torchrun starts 2 CPU processes. One of them is
+    SIGKILLed once the first snapshot exists; torchrun (MAX_RESTARTS: 3 by default) restarts them, the job
+    completes and ends with the weights of an uninterrupted 2-rank run."""
+    from test_faults import one_process_reference
     cluster = slurm_cluster
     jobdir = cluster.dir / "job"
+    args = ["--epochs", "3", "--samples", "8192", "-b", "8"]
     submit = cluster.slurm("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--time=5",
                            "--output=ddp-%j.out", ROOT / "slurm" / "train.sbatch",
-                           ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--epochs", "3",
+                           ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", *args, "--snapshot_path", "snap.pt",
                            "--metrics", "metrics.json")
     job = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 180
+    while not (jobdir / "snap.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [pid for pid in tagged_pids(cluster.marker)  # torchrun starts them as `python -u SCRIPT ...`
+               if cmdline(pid).split("\0")[1:3][-1:] == [str(ROOT / "ddp_gpus_torchrun.py")]]
+    assert len(workers) == 2, (workers, tail(jobdir / f"ddp-{job}.out"))
+    os.kill(max(workers), signal.SIGKILL)
     # poll instead of `sbatch --wait`, whose polling interval grows to tens of seconds
     deadline, state = time.monotonic() + 240, ""
     while time.monotonic() < deadline:
@@ -595,13 +607,24 @@ def test_slurm_sbatch_one_node(slurm_cluster):
     output = tail(jobdir / f"ddp-{job}.out", 6000)
     context = f"job {job}: {state}\n{info}\n--- job output\n{output}\n{cluster.logs()}"
     assert state == "COMPLETED" and "ExitCode=0:0" in info, context
-    assert "1 node(s) x 2 process(es)" in output, context
+    assert "1 node(s) x 2 process(es)" in output and "up to 3 restart(s)" in output, context
     assert "replicas: in sync" in output and "done:" in output, context
     m = json.loads((jobdir / "metrics.json").read_text())
-    assert m["world_size"] == 2 and m["replicas_in_sync"] is True, m
-    assert m["final_loss"] < m["first_loss"], m
+    assert m["world_size"] == 2 and m["replicas_in_sync"] is True and m["restarts"] == 1, m
+    assert m["resumed_from_epoch"] >= 1 and m["final_loss"] < m["first_loss"], m
+    resumed = torch.load(jobdir / "snap.pt", map_location="cpu", weights_only=True)["model"]
+    for name, value in one_process_reference(args).items():
+        assert torch.allclose(resumed[name], value, rtol=1e-5, atol=1e-6), name
     cluster.stop()
     assert tagged_pids(cluster.marker) == [], "processes of the test cluster outlived it"
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["reap"]:
