@@ -728,6 +728,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -1059,8 +1060,9 @@ def stop_on_interrupt(checkpoint=None):
     launcher can end it, then raises KeyboardInterrupt, which unwinds to explained_failures (a
     checkpoint being written is removed on the way). Raised where an error is already on its way
     there, say the failed collective of a peer that stopped first, it would replace that error,
-    and in a `with` statement's exit pass explained_failures by: so there the signal is raised
-    again, and handled at the next point where no error is under way. Once raised, further SIGINTs
+    and in a `with` statement's exit pass explained_failures by: so there the signal is sent again
+    0.2 s later, in case that error is caught on its way (raise_signal would run this handler
+    again at once, inside itself). Once KeyboardInterrupt is raised, further SIGINTs
     are ignored; a process whose SIGINT was ignored when it started (a background job) keeps ignoring it.
     """
     interrupted = {"sigint": False, "said": False}
@@ -1071,8 +1073,10 @@ def stop_on_interrupt(checkpoint=None):
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
                 interrupted["said"] = True
         interrupted["sigint"] = True
-        if sys.exc_info()[1] is not None:  # an error under way: let it reach explained_failures first
-            signal.raise_signal(signal.SIGINT)
+        if sys.exc_info()[1] is not None:  # an error under way: let it reach explained_failures first,
+            again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))  # and come back if it does not
+            again.daemon = True
+            again.start()
             return
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
