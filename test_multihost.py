@@ -592,9 +592,8 @@ def test_slurm_sbatch_one_node(slurm_cluster):
     deadline = time.monotonic() + 180
     while not (jobdir / "snap.pt").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    workers = [pid for pid in tagged_pids(cluster.marker)  # torchrun starts them as `python -u SCRIPT ...`
-               if cmdline(pid).split("\0")[1:3][-1:] == [str(ROOT / "ddp_gpus_torchrun.py")]]
-    assert len(workers) == 2, (workers, tail(jobdir / f"ddp-{job}.out"))
+    workers = [pid for pid in tagged_pids(cluster.marker) if is_worker(pid)]
+    assert len(workers) == 2, ([cmdline(pid) for pid in tagged_pids(cluster.marker)], tail(jobdir / f"ddp-{job}.out"))
     os.kill(max(workers), signal.SIGKILL)
     # poll instead of `sbatch --wait`, whose polling interval grows to tens of seconds
     deadline, state = time.monotonic() + 240, ""
@@ -625,6 +624,16 @@ def cmdline(pid):
             return f.read()
     except OSError:
         return ""
+
+
+def is_worker(pid):
+    """A training process: torchrun gives its workers, not itself, RANK and TORCHELASTIC_RUN_ID."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in environ) and any(v.startswith(b"RANK=") for v in environ)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["reap"]:
