@@ -883,8 +883,11 @@ def explained_failures(timeout, checkpoint=None):
     try:
         yield
     except (KeyboardInterrupt, RuntimeError) as error:
-        # a peer that stopped first can fail our collective before our own SIGINT is seen: it may come
-        # while the failure is explained, and then it is a Ctrl-C all the same
+        # a peer that stopped first can fail our collective before our own SIGINT is seen: Ctrl-C
+        # reaches every process at once (torchrun sends it to each in turn), so wait for it a moment
+        # before the failure is explained (seconds of waiting on the peers); a Ctrl-C all the same
+        if not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt):
+            time.sleep(0.5)
         line = explain_collective_failure(error, health, timeout) \
             if health is not None and not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt) else None
         if interrupted["sigint"] or isinstance(error, KeyboardInterrupt):
