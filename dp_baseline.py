@@ -801,17 +801,18 @@ def stop_on_interrupt(checkpoint=None):
     interrupted = {"sigint": False, "said": False}
 
     def on_sigint(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # none inside this one (mp.spawn's parent signals again)
         if not interrupted["sigint"] and global_rank() == 0:
             with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
                 interrupted["said"] = True
         interrupted["sigint"] = True
         if sys.exc_info()[1] is not None:  # an error under way: let it reach explained_failures first,
-            again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))  # and come back if it does not
+            signal.signal(signal.SIGINT, on_sigint)  # and come back if it does not
+            again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
             again.daemon = True
             again.start()
             return
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
