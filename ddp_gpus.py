@@ -246,6 +246,7 @@ import socket
 import stat
 import struct
 import sys
+import threading
 import time
 import traceback
 import zipfile
@@ -504,31 +505,105 @@ def prepare_rendezvous(args, spawning=False):
         # nccl_trace_rank_` names the collective and the rank that never arrived (README).
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and global_rank() == 0 \
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun (torch >= 2.5) keeps one rendezvous store across restarts, and restarted
-        # workers can read the previous attempt's addresses and fail to connect (pytorch#135712)
-        say("warning: restarted by torchrun with a shared rendezvous store; if joining the group "
-            "fails, launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.stderr)
 
 
-def stop_on_interrupt():
-    """Watch for Ctrl-C in this process. Returns a list that fills when SIGINT arrives.
+def attempt_store(rank, world_size, timeout):
+    """The store for init_process_group(store=...): under torchrun, a namespace of torchrun's store that
+    this attempt's processes alone use; elsewhere None (init_process_group then makes a store of its own).
 
-    The first SIGINT raises KeyboardInterrupt as usual, then further ones are ignored so
-    that the `interrupted` line is still printed; a process whose SIGINT was ignored when
-    it started (a background job) keeps ignoring it.
+    torchrun (torch 2.5 on) keeps one store across the restarts of a job, and its workers use it
+    without a prefix of their own: a restarted rank would read the dead attempt's keys, gloo's
+    addresses or NCCL's unique id, and fail to connect or wait on a dead peer (pytorch#135712).
+    No variable torchrun sets tells the attempts apart on every node (TORCHELASTIC_RESTART_COUNT
+    counts each agent's own failures; a node that joins restarts everyone without counting), so
+    the attempt's number comes from the store itself (open_attempt, join_attempt). Bounded: ranks
+    that have not all joined within `timeout` seconds end the attempt with one error line.
     """
-    received = []
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store made for this attempt alone
+        return None
+    deadline = time.monotonic() + timeout
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
+    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
+        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
+            what = (f"{e} did not join this attempt's process group within --timeout {timeout:g} s (frozen, or not "
+                    "started on its node; raise --timeout if starting takes longer)" if isinstance(e, TimeoutError)
+                    else f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
+            report_error(f"error: {what}" + (f" [rank {rank}]" if rank else ""))
+        else:
+            time.sleep(30)  # bounded; torchrun stops this process once rank 1 has exited
+        raise SystemExit(1) from None
+    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
+
+
+def open_attempt(store, world_size, deadline):
+    """Rank 0: open attempt n (an atomic add: no earlier attempt had n) and answer each rank's request
+    (join_attempt) with it, whatever is found under that rank, a dead attempt's request too, until
+    every rank has said it joined n. Returns n; TimeoutError naming the ranks missing at `deadline`."""
+    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
+    while missing:
+        for r in sorted(missing):
+            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
+            if asked is not None and answered.get(r) != asked:
+                store.set(f"harness/answer/{asked.decode()}", str(attempt))
+                answered[r] = asked
+            if store.check([f"harness/joined/{attempt}/{r}"]):
+                missing.discard(r)
+        if missing and time.monotonic() > deadline:
+            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
+        if missing:
+            time.sleep(0.05)
+    return attempt
+
+
+def join_attempt(store, rank, deadline):
+    """Any other rank: ask for the attempt's number under a nonce of its own and take only the answer to
+    that nonce, so an answer meant for a dead attempt's rank is never read; then say it joined."""
+    nonce = os.urandom(8).hex()
+    store.set(f"harness/ask/{rank}", nonce)
+    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0")
+        time.sleep(0.05)
+    attempt = int(store.get(f"harness/answer/{nonce}"))
+    store.set(f"harness/joined/{attempt}/{rank}", "1")
+    return attempt
+
+
+def stop_on_interrupt(checkpoint=None):
+    """Watch for Ctrl-C in this process. Returns {"sigint": True once it came, "said": True once said}.
+
+    The first SIGINT has rank 0 say at once what was kept, before a peer that stopped first or the
+    launcher can end it, then raises KeyboardInterrupt, which unwinds to explained_failures (a
+    checkpoint being written is removed on the way). Raised where an error is already on its way
+    there, say the failed collective of a peer that stopped first, it would replace that error,
+    and in a `with` statement's exit pass explained_failures by: so there the signal is sent again
+    0.2 s later, in case that error is caught on its way (raise_signal would run this handler
+    again at once, inside itself). Once KeyboardInterrupt is raised, further SIGINTs
+    are ignored; a process whose SIGINT was ignored when it started (a background job) keeps ignoring it.
+    """
+    interrupted = {"sigint": False, "said": False}
 
     def on_sigint(signum, frame):
-        received.append(signum)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # none inside this one (mp.spawn's parent signals again)
+        if not interrupted["sigint"] and global_rank() == 0:
+            with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
+                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+                interrupted["said"] = True
+        interrupted["sigint"] = True
+        if sys.exc_info()[1] is not None:  # an error under way: let it reach explained_failures first,
+            signal.signal(signal.SIGINT, on_sigint)  # and come back if it does not
+            again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+            again.daemon = True
+            again.start()
+            return
         raise KeyboardInterrupt
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_sigint)
-    return received
+    return interrupted
 
 
 def describe_checkpoint(path):
@@ -592,17 +667,22 @@ def explained_failures(timeout, checkpoint=None):
     """
     health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
         if dist.get_backend() == "gloo" else None
-    interrupted = stop_on_interrupt()
+    interrupted = stop_on_interrupt(checkpoint)
     try:
         yield
     except (KeyboardInterrupt, RuntimeError) as error:
-        if interrupted or isinstance(error, KeyboardInterrupt):
-            # a peer that stopped first can fail our collective before our own SIGINT is seen
-            if global_rank() == 0:
+        # a peer that stopped first can fail our collective before our own SIGINT is seen: Ctrl-C
+        # reaches every process at once (torchrun sends it to each in turn), so wait for it a moment
+        # before the failure is explained (seconds of waiting on the peers); a Ctrl-C all the same
+        if not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt):
+            time.sleep(0.5)
+        line = explain_collective_failure(error, health, timeout) \
+            if health is not None and not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt) else None
+        if interrupted["sigint"] or isinstance(error, KeyboardInterrupt):
+            if global_rank() == 0 and not interrupted["said"]:
                 say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
             sys.stderr.flush()
             os._exit(130)
-        line = explain_collective_failure(error, health, timeout) if health is not None else None
         if line is None:
             raise
         if line:

@@ -135,12 +135,17 @@ run_nodes() {
     local port per_node=$((N / 2)) dev=() pids=() node gpus
     port="$(free_port)"
     if [ "$per_node" -lt 1 ]; then per_node=1; dev=(--device cpu); fi  # one GPU cannot host two ranks
+    # both "nodes" share this machine's cores, but each agent counts only its own processes (torchrun sets
+    # OMP_NUM_THREADS=1 only for more than one per node): unset, each process would take every core
+    local threads=$(( $(nproc) / (2 * per_node) ))
+    [ "$threads" -ge 1 ] || threads=1
     for node in 0 1; do
         # each "node" sees its own half of the GPUs, as two machines would: with all of them
         # visible, local rank r on both nodes would pick GPU r and NCCL refuses the duplicate
         gpus="$(gpu_list $((node * per_node)) "$per_node")"
         [ "$DEVICE" = cuda ] && [ ${#dev[@]} = 0 ] || gpus="${CUDA_VISIBLE_DEVICES-}"
-        CUDA_VISIBLE_DEVICES="$gpus" "${TORCHRUN[@]}" --nnodes=2 --node-rank=$node --nproc-per-node=$per_node \
+        OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}" CUDA_VISIBLE_DEVICES="$gpus" \
+            "${TORCHRUN[@]}" --nnodes=2 --node-rank=$node --nproc-per-node=$per_node \
             --master-addr=127.0.0.1 --master-port="$port" "$HERE/ddp_gpus_torchrun.py" \
             --max_epochs 5 --batch_size 32 --metrics m.json "${dev[@]}" &
         pids+=($!)
@@ -155,9 +160,9 @@ run_restart() {
     # (a GPU runs this model ~30x faster: 32x the samples, or the job ends before the kill lands)
     local agent worker i samples=8192
     [ "$DEVICE" = cuda ] && samples=262144
-    # a fresh rendezvous store per restart: with the shared one (torch >= 2.5) restarted gloo
-    # workers read the dead workers' addresses and cannot connect (pytorch#135712)
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
+    # the tutorial's command, nothing set: each attempt joins in a namespace of torchrun's store of
+    # its own (the harness's attempt_store), so restarted workers never read the dead ones' addresses
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" --max-restarts=3 "$HERE/ddp_gpus_torchrun.py" \
         --max_epochs 4 --samples "$samples" --batch_size 16 --metrics m.json &
     agent=$!
     for ((i = 0; i < 600; i++)); do [ -e ddp_gpus_torchrun.pt ] && break; sleep 0.1; done

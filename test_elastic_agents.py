@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import ROOT, cpu_env, read_metrics, torchrun_cmd
-from test_faults import RESTART_ENV, jobs, wait_until  # noqa: F401  (jobs: a fixture)
+from test_faults import jobs, wait_until  # noqa: F401  (jobs: a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,9 @@ def shrink_and_grow(jobs, tmp_path, script, args, checkpoint, resumed_line, prog
     agent C joins once A has logged progress at world 1. Returns (A, C, seconds from the kill to A's
     resume, from C's start to the resume at world 2)."""
     port = free_port()
-    env = cpu_env(OMP_NUM_THREADS=1, **RESTART_ENV)
+    # no TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the survivor's restart count stays 0 at the join, the joining
+    # node's starts at 0, and torchrun's store holds the last attempt's keys (the harness's attempt_store)
+    env = cpu_env(OMP_NUM_THREADS=1)
     a = jobs(agent_command(port, script, *args), tmp_path, env, name="a")
     # A hosts the c10d store (the first to bind the endpoint); B must not be the one. The rendezvous
     # numbers the nodes in the order of (host, agent pid): A, started first, is rank 0 and prints

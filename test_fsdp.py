@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -347,13 +348,14 @@ def test_a_job_killed_mid_save_resumes_from_the_last_complete_save(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_restart_resumes_from_the_last_complete_save(tmp_path):
-    """A worker killed mid-run: torchrun (--max-restarts=1) restarts the job, which continues from its
-    own checkpoint without --resume and finishes with every step trained once."""
-    cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", "--max-restarts=1", SCRIPT, *COMMON[:2],
-           "--max_steps", "300", "--sample", "0", "--save_every_steps", "5", "--checkpoint", "ck",
-           "--metrics", "m.json"]
-    # restarted workers must not read the first attempt's addresses from a shared store (pytorch#135712)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cpu_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), text=True,
+    """A worker killed mid-run under the tutorial's command (--max-restarts=3, no variable set): torchrun
+    restarts the job once, which continues from its own checkpoint without --resume and ends with the
+    weights of an uninterrupted run (the same fingerprint), every step trained once."""
+    args = [*COMMON[:2], "--max_steps", "60", "--sample", "0", "--save_every_steps", "5", "--metrics", "m.json"]
+    reference = fsdp(tmp_path, *args, "--checkpoint", "ref").stdout
+    cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", "--max-restarts=3", SCRIPT, *args,
+           "--checkpoint", "ck"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cpu_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -364,8 +366,11 @@ def test_torchrun_restart_resumes_from_the_last_complete_save(tmp_path):
     finally:
         kill_job(proc)
     m = json.loads((tmp_path / "m.json").read_text())
-    assert proc.returncode == 0 and m["restarts"] == 1 and m["max_steps"] == 300, out[-3000:]
+    assert proc.returncode == 0 and m["restarts"] == 1 and m["max_steps"] == 60, out[-3000:]
     assert "resuming from ck" in out and m["replicas_in_sync"] is True, out[-3000:]
+    fingerprint = re.compile(r"^replicas: in sync \(2 ranks, fingerprint (\S+)\)", flags=re.MULTILINE)
+    assert float(fingerprint.findall(out)[-1]) == pytest.approx(float(fingerprint.findall(reference)[-1]),
+                                                                 rel=1e-6), out[-3000:]
 
 
 @pytest.mark.slow

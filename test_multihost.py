@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT, cpu_env, kill_group, torchrun_cmd
 
@@ -399,6 +400,32 @@ def test_sbatch_warns_when_a_node_has_fewer_cpus_than_processes(tmp_path):
     env.update(SLURM_CPUS_ON_NODE="32")
     assert sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path).stderr == ""
 
+def test_sbatch_passes_max_restarts_and_a_node_says_how_it_ended(tmp_path):
+    """MAX_RESTARTS (default 3) reaches torchrun as --max-restarts, a bad value is one error line, and a
+    node other than the first prints one line at the end: which node, how its torchrun exited, where the
+    checkpoint is. Stand-ins: `srun` runs its command as node 1, `torchrun` prints what it was given and
+    exits 3 (no cluster, no training)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node0\necho node1\n")
+    (bin_dir / "fake-torchrun").write_text('#!/bin/sh\necho "torchrun $*"\nexit 3\n')
+    for tool in ("srun", "scontrol", "fake-torchrun"):
+        (bin_dir / tool).chmod(0o755)
+    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=7, SLURM_JOB_NODELIST="node[0-1]",
+                  SLURM_JOB_NUM_NODES=2, SLURM_NTASKS_PER_NODE=2, TORCHRUN="fake-torchrun")
+    sbatch = ROOT / "slurm" / "train.sbatch"
+    r = sh(["bash", sbatch, "ddp_gpus_torchrun.py", "--snapshot_path", "ck.pt"], env=env, cwd=tmp_path, check=False)
+    assert r.returncode == 3 and "--max-restarts=3 " in r.stdout, r
+    assert r.stdout.strip().splitlines()[-1] == (f"node 1 of 2 ({socket.gethostname()}): torchrun exited 3; "
+                                                 f"checkpoint: {tmp_path}/ck.pt (written by global rank 0)"), r.stdout
+    r = sh(["bash", sbatch, "ddp_transformer.py"], env={**env, "MAX_RESTARTS": "0"}, cwd=tmp_path, check=False)
+    assert "--max-restarts=0 " in r.stdout and f"checkpoint: the script's default file, in {tmp_path}" in r.stdout, r
+    r = sh(["bash", sbatch, "ddp_transformer.py"], env={**env, "MAX_RESTARTS": "three"}, cwd=tmp_path, check=False)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: MAX_RESTARTS must be a whole number, got 'three' (export MAX_RESTARTS=3, or 0)"], r
+
+
 SLURM_CONF = """\
 # A private one-node cluster for the tests: its own ports, state and munge socket.
 ClusterName=ddptest
@@ -550,14 +577,24 @@ def slurm_cluster(tmp_path, request):
 
 
 def test_slurm_sbatch_one_node(slurm_cluster):
-    """sbatch slurm/train.sbatch on one node with 2 tasks: torchrun starts 2 CPU processes."""
+    """sbatch slurm/train.sbatch on one node with 2 tasks: torchrun starts 2 CPU processes. One of them is
+    SIGKILLed once the first snapshot exists; torchrun (MAX_RESTARTS: 3 by default) restarts them, the job
+    completes and ends with the weights of an uninterrupted 2-rank run."""
+    from test_faults import one_process_reference
     cluster = slurm_cluster
     jobdir = cluster.dir / "job"
+    args = ["--epochs", "3", "--samples", "8192", "-b", "8"]
     submit = cluster.slurm("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--time=5",
                            "--output=ddp-%j.out", ROOT / "slurm" / "train.sbatch",
-                           ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", "--epochs", "3",
+                           ROOT / "ddp_gpus_torchrun.py", "--device", "cpu", *args, "--snapshot_path", "snap.pt",
                            "--metrics", "metrics.json")
     job = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 180
+    while not (jobdir / "snap.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [pid for pid in tagged_pids(cluster.marker) if is_worker(pid)]
+    assert len(workers) == 2, ([cmdline(pid) for pid in tagged_pids(cluster.marker)], tail(jobdir / f"ddp-{job}.out"))
+    os.kill(max(workers), signal.SIGKILL)
     # poll instead of `sbatch --wait`, whose polling interval grows to tens of seconds
     deadline, state = time.monotonic() + 240, ""
     while time.monotonic() < deadline:
@@ -569,13 +606,34 @@ def test_slurm_sbatch_one_node(slurm_cluster):
     output = tail(jobdir / f"ddp-{job}.out", 6000)
     context = f"job {job}: {state}\n{info}\n--- job output\n{output}\n{cluster.logs()}"
     assert state == "COMPLETED" and "ExitCode=0:0" in info, context
-    assert "1 node(s) x 2 process(es)" in output, context
+    assert "1 node(s) x 2 process(es)" in output and "up to 3 restart(s)" in output, context
     assert "replicas: in sync" in output and "done:" in output, context
     m = json.loads((jobdir / "metrics.json").read_text())
-    assert m["world_size"] == 2 and m["replicas_in_sync"] is True, m
-    assert m["final_loss"] < m["first_loss"], m
+    assert m["world_size"] == 2 and m["replicas_in_sync"] is True and m["restarts"] == 1, m
+    assert m["resumed_from_epoch"] >= 1 and m["final_loss"] < m["first_loss"], m
+    resumed = torch.load(jobdir / "snap.pt", map_location="cpu", weights_only=True)["model"]
+    for name, value in one_process_reference(args).items():
+        assert torch.allclose(resumed[name], value, rtol=1e-5, atol=1e-6), name
     cluster.stop()
     assert tagged_pids(cluster.marker) == [], "processes of the test cluster outlived it"
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def is_worker(pid):
+    """A training process: torchrun gives its workers, not itself, RANK and TORCHELASTIC_RUN_ID."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:
+        return False
+    return any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in environ) and any(v.startswith(b"RANK=") for v in environ)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["reap"]:
