@@ -12,8 +12,11 @@ import contextlib
 import io
 import math
 import random
+import re
 import struct
 import sys
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import ddp_main
-from conftest import cpu_env
+from conftest import cpu_env, run_doc_snippet
 from ddp_main import ConvNet
 
 COLOURS = {"blue": (50, 60, 210), "green": (40, 180, 60), "red": (200, 40, 40)}  # sorted: ImageFolder's order
@@ -61,7 +64,7 @@ def as_tensors(files):
     return images.permute(0, 3, 1, 2), torch.tensor([label for _, label in files])
 
 
-def test_image_folder_at_two_processes(launch, script, metrics, tmp_path):
+def test_image_folder_at_two_processes(launch, script, metrics, tmp_path, capsys, monkeypatch):
     """ddp_main.py --data FOLDER at 2 processes: what was found is named, every test image is counted
     once, the colours are learnt, the replicas agree, and the checkpoint reproduces the test result here."""
     files = write_folder(tmp_path / "shapes", {"train": TRAIN, "test": TEST})
@@ -90,6 +93,30 @@ def test_image_folder_at_two_processes(launch, script, metrics, tmp_path):
         outputs = model((images - mean[:, None, None]) / std[:, None, None])
     assert round(m["test_accuracy"] * 99) == int((outputs.argmax(1) == labels).sum())
     assert m["test_loss"] == pytest.approx(F.cross_entropy(outputs, labels).item(), rel=1e-3, abs=1e-5)
+
+    # issue 32: the classes named, a per-class result, and a checkpoint that describes itself
+    assert "| 240 train, 99 test samples | classes: blue, green, red | normalised: " in r.stdout, r.stdout
+    per_class = re.search(r"^per class: blue [\d.]+% \((\d+)/31\), green [\d.]+% \((\d+)/33\), "
+                          r"red [\d.]+% \((\d+)/35\)$", r.stdout, flags=re.MULTILINE)
+    assert per_class and sum(map(int, per_class.groups())) == round(m["test_accuracy"] * 99), r.stdout
+    card = checkpoint["data"]
+    assert (card["kind"], card["classes"], card["shape"]) == ("images", ["blue", "green", "red"], [3, 32, 32])
+    assert card["mean"] == pytest.approx(mean.tolist(), abs=1e-6) and card["std"] == pytest.approx(std.tolist(), abs=1e-6)
+
+    # --predict on 5 new images: their class names, as the model computed here says; the docs' snippet agrees
+    new = write_folder(tmp_path / "new", {"x": [2, 2, 1]}, seed=7)["x"]
+    paths = [str(path.relative_to(tmp_path)) for path, _ in new]
+    p = launch([sys.executable, script("ddp_main.py"), "--predict", *paths], timeout=TIMEOUT, env=cpu_env())
+    predicted = re.findall(r"^(\S+) -> (\w+) \(([\d.]+)\)$", p.stdout, flags=re.MULTILINE)
+    names = [list(COLOURS)[label] for _, label in new]
+    images, _ = as_tensors(new)
+    with torch.no_grad():
+        expected = model((images - mean[:, None, None]) / std[:, None, None]).softmax(dim=1)
+    assert [(path, name) for path, name, _ in predicted] == list(zip(paths, names)), p
+    assert [float(prob) for *_, prob in predicted] == pytest.approx(expected.max(dim=1).values.tolist(), abs=2e-3)
+    assert p.stderr == "" and "world" not in p.stdout, p  # one process: no process group, nothing else said
+    pasted = run_doc_snippet("own_images.md", "# predict.py", paths, tmp_path, capsys, monkeypatch)
+    assert pasted == p.stdout, (pasted, p.stdout)
 
 
 # ---------------------------------------------------------------- the layout, checked before training
@@ -137,6 +164,63 @@ def test_layout_checks(tmp_path, capsys):
     assert "has train/ but no test/ or val/" in check(tmp_path / "notest", capsys)[1]
     (tmp_path / "ok" / "train" / "red" / "0.png").write_bytes(b"not a png")
     assert "cannot read the image" in check(tmp_path / "ok", capsys)[1]
+
+
+def test_a_bad_image_is_named_before_training_and_a_missing_test_class_said(tmp_path, capsys):
+    """Every image is decoded before training (issue 32): a truncated PNG in train or test is one error line
+    naming it, where only the headers were read before (and training crashed on it in epoch 1, or, in the
+    test split, after the last epoch). A class without test images is one note. Past the bound, the files
+    not decoded are decoded as training reads them, and a bad one is one line naming it then."""
+    write_folder(tmp_path / "f", {"train": [3, 3, 3], "test": [2, 2, 2]})
+    for bad in (tmp_path / "f" / "train" / "green" / "1.png", tmp_path / "f" / "test" / "red" / "0.png"):
+        whole = bad.read_bytes()
+        bad.write_bytes(whole[:len(whole) // 2])  # the header and half the pixels
+        error = check(tmp_path / "f", capsys)[1]
+        assert f"cannot read the image {bad} (OSError: image file is truncated" in error, error
+        bad.write_bytes(whole)
+    for image in (tmp_path / "f" / "test" / "red").iterdir():
+        image.unlink()
+    (tmp_path / "f" / "test" / "red").rmdir()
+    found, _ = check(tmp_path / "f", capsys)
+    assert found["classes"] == ["blue", "green", "red"]
+    assert capsys.readouterr().out == (f"note: {tmp_path / 'f' / 'test'} has no images of red (1 class of 3): "
+                                       "the test accuracy leaves them out\n")
+
+    files = sorted(str(path) for path in (tmp_path / "f" / "train").rglob("*.png"))
+    Path(files[1]).write_bytes(Path(files[1]).read_bytes()[:300])
+    assert ddp_main.image_format(files, most=5) == ("RGB", (32, 32))  # files 0, 2, 4, 6, 8 decoded
+    assert capsys.readouterr().out == ("note: 9 images: 5 of them (evenly spread) decoded before training, "
+                                       "the others as training reads them\n")
+    with pytest.raises(SystemExit) as exited:
+        ddp_main.read_image(files[1])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and error == f"error: cannot read the image {files[1]} (OSError: image file " \
+        "is truncated) (remove or replace it)\n", error
+
+
+def test_predict_and_the_data_path_say_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
+    """--predict with a checkpoint written before checkpoints carried their data card, an image of another
+    size, a checkpoint of the synthetic stand-in: one line each. A mistyped --data beside another run's
+    checkpoint is named first (it used to be the checkpoint's line, and the typo only on the second try)."""
+    monkeypatch.chdir(tmp_path)
+    Image.new("L", (32, 32)).save("grey.png")
+    card = {"kind": "images", "classes": ["a", "b", "c"], "mean": [0.5] * 3, "std": [0.25] * 3, "shape": [3, 32, 32]}
+    weights = ConvNet(3, channels=3).state_dict()
+    cases = {"old.pt": ({"model": weights, "epoch": 5, "args": {}}, "old.pt does not hold its classes, mean, std, shape"),
+             "new.pt": ({"model": weights, "data": card}, "grey.png is L 32 x 32, the model takes RGB 32 x 32"),
+             "syn.pt": ({"model": weights, "data": {**card, "kind": "synthetic"}}, "trained on the synthetic stand-in")}
+    for name, (state, says) in cases.items():
+        torch.save(state, name)
+        with pytest.raises(SystemExit) as exited:
+            ddp_main.check_args(ddp_main.parse_args(["--predict", "grey.png", "--checkpoint", name]))
+        lines = capsys.readouterr().err.splitlines()
+        assert exited.value.code == 2 and len(lines) == 1 and says in lines[0], lines
+
+    torch.save({"model": weights, "epoch": 5, "args": {}}, "ddp_checkpoint.pt")
+    with pytest.raises(SystemExit):
+        ddp_main.check_args(ddp_main.parse_args(["--device", "cpu", "--data", "colour"]))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --data colour holds no data"), lines
 
 
 def test_a_typed_path_is_never_replaced_by_the_stand_in(tmp_path, capsys, monkeypatch):
