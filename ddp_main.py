@@ -6,7 +6,9 @@ natively, fp16 with a GradScaler on older GPUs, fp32 on CPUs), SyncBatchNorm on 
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
 (the others wait) and writes a checkpoint each epoch that `--resume -e 6` continues to
-epoch 6 and `--evaluate` only evaluates. `--data DIR` also takes your own images in
+epoch 6, `--evaluate` only evaluates (per class too), and `--predict IMAGE...` uses to classify
+new images in one process: it carries the classes, the normalisation and the input shape
+(docs/own_images.md has the same in plain Python). `--data DIR` also takes your own images in
 ImageFolder's layout (DIR/train/<class>/*, DIR/test/<class>/*): the classes, channels and
 image size come from the data (docs/own_images.md). Without MNIST in the default ./data
 and no network an offline stand-in with MNIST's shapes is used, and the script says so; a

@@ -322,3 +322,50 @@ def test_a_cut_image_folder_keeps_every_class(tmp_path, capsys):
     assert sorted(label for _, label in train) == sorted(label for _, label in test) == [0, 1, 2]
     assert train[0][0].shape == (1, 8, 8) and info["name"] == "image folder of 3 classes, 1 x 8 x 8"
     assert "| 3 train, 3 test samples |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- slow: after training (issue 32)
+@pytest.mark.slow
+def test_a_truncated_image_ends_a_real_launch_before_the_first_epoch(launch, script, tmp_path):
+    """A truncated PNG in train, then in test: exit 2, one error line naming it, no epoch trained. (It
+    used to be a traceback per rank in epoch 1, or, in the test split, after every epoch had trained.)"""
+    write_folder(tmp_path / "f", {"train": [8, 8, 8], "test": [2, 2, 2]})
+    for bad in (tmp_path / "f" / "train" / "red" / "3.png", tmp_path / "f" / "test" / "blue" / "1.png"):
+        whole = bad.read_bytes()
+        bad.write_bytes(whole[:len(whole) // 2])
+        r = launch([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "2", "--data", "f"],
+                   timeout=TIMEOUT, env=cpu_env(), check=False)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and errors == [f"error: cannot read the image {bad.relative_to(tmp_path)} "
+                                                "(OSError: image file is truncated) (remove or replace it)"], r
+        assert "epoch" not in r.stdout and "Traceback" not in r.stderr, r
+        bad.write_bytes(whole)
+
+
+@pytest.mark.slow
+def test_evaluate_names_the_epoch_and_each_class_and_old_checkpoints_load(launch, script, tmp_path):
+    """--evaluate says the checkpoint's own epoch (not --epochs') and a per-class accuracy; a checkpoint
+    without a data card (written before issue 32) still evaluates, --predict says in one line what it
+    lacks, and a --resume writes the card; a checkpoint of other class names is refused in one line."""
+    write_folder(tmp_path / "f", {"train": [24, 24, 24], "test": [6, 6, 6]})
+    command = [sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "1", "--data", "f", "-b", "8"]
+    launch([*command, "-e", "2"], timeout=TIMEOUT, env=cpu_env())
+    state = torch.load(tmp_path / "ddp_checkpoint.pt", weights_only=True)
+    del state["data"]
+    torch.save(state, tmp_path / "ddp_checkpoint.pt")  # as the checkpoints before issue 32
+    r = launch([*command, "--evaluate"], timeout=TIMEOUT, env=cpu_env())
+    assert "| evaluating epoch 2\n" in r.stdout and "| images | epoch 2 | not trained |" in r.stdout, r
+    assert re.search(r"^per class: blue [\d.]+% \(\d/6\), green [\d.]+% \(\d/6\), red [\d.]+% \(\d/6\)$",
+                     r.stdout, flags=re.MULTILINE), r.stdout
+    image = str((tmp_path / "f" / "test" / "red" / "0.png").relative_to(tmp_path))
+    p = launch([sys.executable, script("ddp_main.py"), "--predict", image], timeout=TIMEOUT, env=cpu_env(), check=False)
+    assert p.returncode == 2 and "does not hold its classes, mean, std, shape" in p.stderr, p
+    launch([*command, "--resume", "-e", "3"], timeout=TIMEOUT, env=cpu_env())
+    p = launch([sys.executable, script("ddp_main.py"), "--predict", image], timeout=TIMEOUT, env=cpu_env())
+    assert re.fullmatch(rf"{re.escape(image)} -> (blue|green|red) \([\d.]+\)\n", p.stdout), p
+    (tmp_path / "f" / "train" / "red").rename(tmp_path / "f" / "train" / "rose")
+    (tmp_path / "f" / "test" / "red").rename(tmp_path / "f" / "test" / "rose")
+    r = launch([*command, "--evaluate"], timeout=TIMEOUT, env=cpu_env(), check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "trained on the classes blue, green, red, this data has " \
+        "blue, green, rose" in errors[0], r
