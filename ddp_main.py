@@ -696,6 +696,11 @@ def read_model(path):
     if missing:
         fail(f"{path} does not hold its {', '.join(missing)} (a checkpoint written before they were saved)",
              "train it one more epoch (--resume -e N+1 with its --data), which saves them, or train afresh")
+    shape, classes = card["shape"], card["classes"]
+    if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape) or not classes \
+            or not len(card["mean"]) == len(card["std"]) == shape[0]:
+        fail(f"{path} holds a malformed data card (shape {shape[:4]}, {len(classes)} classes, "
+             f"{len(card['mean'])} means, {len(card['std'])} stds)", "use a checkpoint this script wrote")
     if card.get("kind") == "synthetic":
         fail(f"{path} was trained on the synthetic stand-in, not on images", "train on your images (--data DIR)")
     model = ConvNet(len(card["classes"]), channels=card["shape"][0])

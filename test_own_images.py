@@ -208,7 +208,9 @@ def test_predict_and_the_data_path_say_what_is_wrong_in_one_line(tmp_path, capsy
     weights = ConvNet(3, channels=3).state_dict()
     cases = {"old.pt": ({"model": weights, "epoch": 5, "args": {}}, "old.pt does not hold its classes, mean, std, shape"),
              "new.pt": ({"model": weights, "data": card}, "grey.png is L 32 x 32, the model takes RGB 32 x 32"),
-             "syn.pt": ({"model": weights, "data": {**card, "kind": "synthetic"}}, "trained on the synthetic stand-in")}
+             "syn.pt": ({"model": weights, "data": {**card, "kind": "synthetic"}}, "trained on the synthetic stand-in"),
+             "bad.pt": ({"model": weights, "data": {**card, "std": [0.25]}}, "malformed data card (shape [3, 32, 32], "
+                                                                           "3 classes, 3 means, 1 stds)")}
     for name, (state, says) in cases.items():
         torch.save(state, name)
         with pytest.raises(SystemExit) as exited:
