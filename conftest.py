@@ -186,3 +186,25 @@ def pytest_collection_modifyitems(config, items):
         elif item.path.name == "test_multihost.py":
             item.add_marker(pytest.mark.xdist_group("multihost"))
     items.sort(key=lambda item: "run_sh" not in item.fixturenames)  # stable: the rest keep their order
+
+
+# ---------------------------------------------------------------- the docs' code, run as written
+def run_doc_snippet(doc, first_line, argv, cwd, capsys, monkeypatch):
+    """Run the ```python block of docs/`doc` that starts with `first_line` exactly as written, in this
+    process (its imports are this suite's: no new interpreter to pay for), as `python snippet.py *argv`
+    in `cwd`; returns what it printed."""
+    text = (ROOT / "docs" / doc).read_text()
+    start = text.index(f"```python\n{first_line}") + len("```python\n")
+    code = text[start:text.index("\n```", start)]
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["snippet.py", *map(str, argv)])
+    monkeypatch.syspath_prepend(str(ROOT))
+    capsys.readouterr()
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two busy cores spin: 7x the CPU of one for the same work
+    try:
+        exec(compile(code, f"docs/{doc}", "exec"), {"__name__": "__main__"})
+    finally:
+        torch.set_num_threads(threads)
+    return capsys.readouterr().out

@@ -6,7 +6,9 @@ natively, fp16 with a GradScaler on older GPUs, fp32 on CPUs), SyncBatchNorm on 
 `DistributedSampler` for training and an exact distributed evaluation: every test
 sample is counted once, whatever the world size. Global rank 0 downloads the data
 (the others wait) and writes a checkpoint each epoch that `--resume -e 6` continues to
-epoch 6 and `--evaluate` only evaluates. `--data DIR` also takes your own images in
+epoch 6, `--evaluate` only evaluates (per class too), and `--predict IMAGE...` uses to classify
+new images in one process: it carries the classes, the normalisation and the input shape
+(docs/own_images.md has the same in plain Python). `--data DIR` also takes your own images in
 ImageFolder's layout (DIR/train/<class>/*, DIR/test/<class>/*): the classes, channels and
 image size come from the data (docs/own_images.md). Without MNIST in the default ./data
 and no network an offline stand-in with MNIST's shapes is used, and the script says so; a
@@ -63,6 +65,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (a large world)
 DEFAULT_DATA = "./data"
 IMAGE_MODES = {"L": 1, "RGB": 3, "RGBA": 4}  # PIL mode -> channels; a palette (P) holds indices, not colours
+DECODED = 20000  # images decoded whole before training (about 1 s of 48 x 48 PNGs); beyond, as training reads them
 
 
 # ---------------------------------------------------------------- arguments
@@ -124,6 +127,9 @@ def add_job_args(p):
                    help="checkpoint written by rank 0 after every epoch")
     p.add_argument("--resume", action="store_true", help="continue training from --checkpoint")
     p.add_argument("--evaluate", action="store_true", help="only evaluate --checkpoint on the test set")
+    p.add_argument("--predict", nargs="+", default=None, metavar="IMAGE",
+                   help="only classify these image files with --checkpoint: one process, no process group, "
+                        "the training's preprocessing; prints `file -> class (probability)` per image")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
@@ -132,16 +138,18 @@ def add_job_args(p):
 
 def check_args(args):
     """Bad input is one error line and exit code 2, found before any process group is joined."""
+    if args.predict:  # one process and no process group: nothing below applies
+        sys.exit(predict(args.checkpoint, args.predict))
     check_positive(args, "epochs", "batch_size", "lr", "timeout", "train_samples", "test_samples")
     if args.workers < 0:
         fail(f"--workers must be 0 or more, got {args.workers}", "pass --workers 0")
+    check_data(args)  # first: a mistyped --data is named before anything about a checkpoint
     if (args.resume or args.evaluate) and not os.path.isfile(args.checkpoint):
         fail(f"no checkpoint at {args.checkpoint} to {'evaluate' if args.evaluate else 'resume'}",
              "train first, or point --checkpoint at one", every_node=True)  # this machine's files
     check_folders(args.checkpoint, args.metrics)
     if not args.evaluate:  # another run's checkpoint is continued only with --resume; overwritten never unasked
         args.resume = continue_checkpoint(args.checkpoint, args.resume)
-    check_data(args)
     select_gpus(args)
     resolve_device(args)
     check_launch(args)
@@ -317,6 +325,10 @@ def check_image_folder(root):
     if set(test) - set(train):
         fail(f"{splits[1]} has classes the training split lacks: {', '.join(sorted(set(test) - set(train))[:5])}",
              "add training images of them, or remove them from the test split", every_node=True)
+    if set(train) - set(test):  # allowed (a small test split), but the accuracy then leaves them out
+        missing = sorted(set(train) - set(test))
+        print0(f"note: {splits[1]} has no images of {listed(missing)} ({plural(len(missing), 'class')} of "
+               f"{len(train)}): the test accuracy leaves them out")
     mode, (width, height) = image_format([f for split in (train, test) for files in split.values() for f in files])
     if mode not in IMAGE_MODES or min(width, height) < 4:
         fail(f"the images in {root} are {mode}, {width} x {height}", "convert them to L, RGB or RGBA, "
@@ -326,16 +338,24 @@ def check_image_folder(root):
             "name": f"image folder of {len(train)} classes, {' x '.join(map(str, shape))}"}
 
 
-def image_format(files):
-    """The one (mode, size) of every image file (PIL reads only the headers), else one error line."""
-    from PIL import Image, UnidentifiedImageError
+def image_format(files, most=DECODED):
+    """The one (mode, size) of every image file, else one error line. Every header is read and up to `most`
+    files (evenly spread) are decoded whole, so a truncated or corrupt file is named now, not after an epoch;
+    in a larger folder the others are decoded as training reads them (read_image names a bad one then)."""
+    from PIL import Image
+    every = math.ceil(len(files) / most)
+    if every > 1:
+        print0(f"note: {len(files)} images: {len(range(0, len(files), every))} of them (evenly spread) decoded "
+               "before training, the others as training reads them")
     found = {}
-    for path in files:
+    for i, path in enumerate(files):
         try:
             with Image.open(path) as image:
+                if i % every == 0:
+                    image.load()
                 found.setdefault((image.mode, image.size), path)
-        except (OSError, UnidentifiedImageError) as e:
-            fail(f"cannot read the image {path} ({type(e).__name__})", "remove or replace it", every_node=True)
+        except Exception as e:  # OSError (truncated, unreadable), SyntaxError (a broken PNG chunk), zlib.error, ...
+            fail(f"cannot read the image {path} ({type(e).__name__}: {e})", "remove or replace it", every_node=True)
         if len(found) > 1:
             (mode, size), first = next(iter(found.items()))
             fail(f"the images differ in size or mode: {first} is {mode} {size[0]} x {size[1]}, {path} is "
@@ -345,11 +365,22 @@ def image_format(files):
 
 
 def read_image(path):
-    """ImageFolder's loader, keeping the image's mode (its own converts every image to RGB)."""
+    """ImageFolder's loader, keeping the image's mode (its own converts every image to RGB); a file that
+    cannot be decoded is one error line naming it (from this rank: the others wait on it)."""
     from PIL import Image
-    with Image.open(path) as image:
-        image.load()
-        return image
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image
+    except Exception as e:  # see image_format
+        fail(f"cannot read the image {path} ({type(e).__name__}: {e})", "remove or replace it", every_rank=True)
+
+
+def listed(names, most=10):
+    """`a, b, c`; past `most` names, the first ones, `...` and the last, with the count."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{', '.join(names[:most - 2])}, ..., {names[-1]} ({len(names)} in all)"
 
 
 def choose_dataset(args, device):
@@ -396,7 +427,8 @@ def folder_sets(args):
         info = idx_info(train, test, root)
     mean, std = normalization(train)
     train.transform = test.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
-    info = {**info, "normalization": f"mean {fmt(mean)}, std {fmt(std)} per channel (the training split's)"}
+    info = {**info, "mean": mean, "std": std,
+            "normalization": f"mean {fmt(mean)}, std {fmt(std)} per channel (the training split's)"}
     return train, test, info
 
 
@@ -421,18 +453,18 @@ def load_datasets(args):
     if args.dataset == "synthetic":
         sets = [SyntheticDigits(n, seed=args.seed, train=train)
                 for n, train in ((args.train_samples or 6000, True), (args.test_samples or 1000, False))]
-        info = {"kind": "synthetic", "classes": [str(c) for c in range(10)], "shape": [1, 28, 28],
-                "name": "SYNTHETIC stand-in, not MNIST", "normalization": "none (the stand-in is centred)"}
+        info = {"kind": "synthetic", "classes": [str(c) for c in range(10)], "shape": [1, 28, 28], "mean": [0.0],
+                "std": [1.0], "name": "SYNTHETIC stand-in, not MNIST", "normalization": "none (the stand-in is centred)"}
     else:
         *sets, info = folder_sets(args)
-        args.dataset = info.pop("kind")
+        args.dataset = info["kind"]
     # an image folder lists its files class by class: its first N would be the first classes only
     spread = args.dataset == "images"
     sets = [Subset(s, torch.linspace(0, len(s) - 1, n).long().tolist() if spread else range(n))
             if n and n < len(s) else s for s, n in zip(sets, (args.train_samples, args.test_samples))]
     where = "" if args.dataset == "synthetic" else f" from {args.data or DEFAULT_DATA}"
     print0(f"data: {info['name']}{where} | {len(sets[0])} train, {len(sets[1])} test samples | "
-           f"normalised: {info['normalization']}")
+           f"classes: {listed(info['classes'])} | normalised: {info['normalization']}")
     return sets, info
 
 
@@ -542,16 +574,30 @@ def evaluate(model, loader, amp, device):
     """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)
+    per_class = torch.zeros(2, model.fc.out_features, dtype=torch.float64, device=device)  # [correct, count]
     for images, labels in on_device(loader, device):
         with autocast(device, amp):
             outputs = model(images)
+        correct = outputs.argmax(dim=1) == labels
         totals[0] += F.cross_entropy(outputs.float(), labels, reduction="sum").double()
-        totals[1] += (outputs.argmax(dim=1) == labels).sum()
+        totals[1] += correct.sum()
         totals[2] += len(labels)
+        per_class[0].index_add_(0, labels, correct.double())
+        per_class[1].index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
     dist.all_reduce(totals)
+    dist.all_reduce(per_class)
     count = int(totals[2].item())
     return {"test_samples": count, "test_loss": (totals[0] / count).item(),
-            "test_accuracy": (totals[1] / count).item()}
+            "test_accuracy": (totals[1] / count).item(), "per_class": per_class.long().tolist()}
+
+
+def per_class_line(per_class, classes, most=10):
+    """`per class: blue 96.8% (30/31), ...`, the classes without test images left out; past `most`, the lowest."""
+    scores = sorted(((correct / count, name, correct, count) for name, correct, count in zip(classes, *per_class)
+                     if count), key=lambda s: s[0] if len(classes) > most else 0)
+    shown = f"the {most} lowest of {len(scores)}" if len(scores) > most else ""
+    return (f"per class{' (' + shown + ')' if shown else ''}: "
+            + ", ".join(f"{name} {100 * acc:.1f}% ({correct}/{count})" for acc, name, correct, count in scores[:most]))
 
 
 def sync_buffers(model):
@@ -574,17 +620,24 @@ def no_buffer_broadcast():
     return {"broadcast_buffers": False}
 
 
-def write_checkpoint(model, optimizer, scaler, epoch, args):
-    """Rank 0 writes (atomically); every rank waits until the file is complete."""
+def write_checkpoint(model, optimizer, scaler, epoch, args, card):
+    """Rank 0 writes (atomically); every rank waits until the file is complete. `card`: what using the
+    model needs (see model_card), so the file alone classifies new images (--predict, docs/own_images.md)."""
     if dist.get_rank() == 0:
         save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scaler": scaler.state_dict(), "epoch": epoch,
+                         "scaler": scaler.state_dict(), "epoch": epoch, "data": card,
                          "args": dict(vars(args))},  # plain values only, so weights_only loading works
                         args.checkpoint)
     dist.barrier()
 
 
-def restore_checkpoint(model, optimizer, scaler, train_loader, args):
+def model_card(data):
+    """The checkpoint's "data": the classes in index order, the training split's per-channel mean and std,
+    the input shape [channels, height, width] and the data's kind ("images", "mnist", "idx", "synthetic")."""
+    return {key: data[key] for key in ("kind", "classes", "mean", "std", "shape")}
+
+
+def restore_checkpoint(model, optimizer, scaler, train_loader, args, classes):
     """Restore model, optimizer and grad scaler from --checkpoint; returns the epochs already trained."""
     # read once, onto the CPU: load_state_dict moves each tensor where its parameter lives
     checkpoint = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "epoch", "args"), model)
@@ -592,6 +645,11 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args):
             type(checkpoint["epoch"]) is not int or not 0 <= checkpoint["epoch"] < 2 ** 31:
         fail(f"{args.checkpoint} is not a checkpoint of this script (its args, scaler or epoch is not one)",
              "delete it to start afresh", every_node=True)
+    card = checkpoint.get("data")  # None in a checkpoint written before it carried its data card
+    theirs = card.get("classes", classes) if isinstance(card, dict) else classes
+    if theirs != classes:  # as many classes, other names or order: every output would mean another class
+        fail(f"{args.checkpoint} was trained on the classes {listed(theirs)}, this data has {listed(classes)}",
+             "use the data it was trained on, or another --checkpoint to start afresh")
     model.load_state_dict(checkpoint["model"])
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -608,7 +666,7 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args):
     return checkpoint["epoch"]
 
 
-def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args):
+def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args, card):
     """Train epochs start_epoch+1 .. args.epochs, saving a checkpoint after each; one record per epoch."""
     history = []
     for epoch in range(start_epoch, args.epochs):
@@ -616,17 +674,72 @@ def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args):
         start = time.perf_counter()
         loss_sum, samples = train_one_epoch(ddp, train_loader, optimizer, scaler, args.amp, device).tolist()
         seconds = time.perf_counter() - start
-        write_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args)
+        write_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args, card)
         history.append({"loss": loss_sum / samples, "samples": samples, "seconds": seconds})
         print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | "
                f"{samples / seconds:.0f} samples/s | {seconds:.1f} s | checkpoint {args.checkpoint}")
     return history
 
 
+# ---------------------------------------------------------------- predict
+def predict(checkpoint, paths):
+    """--predict: classify image files with the checkpoint's model, in this one process (no process
+    group), each image prepared as the training images were. Prints `file -> class (probability)`."""
+    model, card = read_model(checkpoint)
+    images = [prepare(path, card) for path in paths]  # every file checked before the first answer
+    with torch.no_grad():
+        for start in range(0, len(images), 256):  # a bounded batch, however many files
+            probabilities = model(torch.stack(images[start:start + 256])).softmax(dim=1)
+            for path, p in zip(paths[start:], probabilities):
+                print0(f"{path} -> {card['classes'][p.argmax()]} ({p.max():.3f})")
+    return 0
+
+
+def read_model(path):
+    """The model in checkpoint `path`, ready to classify, and its data card (model_card); one error line
+    for a checkpoint without a card (written before checkpoints carried one) or with a malformed one."""
+    if not os.path.isfile(path):
+        fail(f"no checkpoint at {path} to predict with", "train first, or point --checkpoint at one")
+    state = load_checkpoint(path, ("model",))
+    card = state.get("data") if isinstance(state.get("data"), dict) else {}
+    missing = [key for key in ("classes", "mean", "std", "shape") if not isinstance(card.get(key), list)]
+    if missing:
+        fail(f"{path} does not hold its {', '.join(missing)} (a checkpoint written before they were saved)",
+             "train it one more epoch (--resume -e N+1 with its --data), which saves them, or train afresh")
+    shape, classes = card["shape"], card["classes"]
+    if len(shape) != 3 or not all(isinstance(n, int) and n > 0 for n in shape) or not classes \
+            or not len(card["mean"]) == len(card["std"]) == shape[0]:
+        fail(f"{path} holds a malformed data card (shape {shape[:4]}, {len(classes)} classes, "
+             f"{len(card['mean'])} means, {len(card['std'])} stds)", "use a checkpoint this script wrote")
+    if card.get("kind") == "synthetic":
+        fail(f"{path} was trained on the synthetic stand-in, not on images", "train on your images (--data DIR)")
+    model = ConvNet(len(card["classes"]), channels=card["shape"][0])
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, TypeError, ValueError) as e:
+        fail(f"{path} holds weights that do not fit its data card ({str(e).splitlines()[0][:100]})",
+             "use a checkpoint this script wrote")
+    return model.eval(), card
+
+
+def prepare(path, card):
+    """One image file as the model saw its training images: checked against the model's input, made a
+    tensor in [0, 1] (ToTensor), normalised by the training split's mean and std."""
+    from torchvision.transforms.functional import normalize, to_tensor  # see mnist_files
+    image = read_image(path)
+    channels, height, width = card["shape"]
+    mode = next((name for name, count in IMAGE_MODES.items() if count == channels), "?")
+    if (image.mode, image.size) != (mode, (width, height)):
+        fail(f"{path} is {image.mode} {image.size[0]} x {image.size[1]}, the model takes {mode} {width} x {height}",
+             f"convert it, e.g. with PIL's Image.convert('{mode}').resize(({width}, {height}))")
+    return normalize(to_tensor(image), card["mean"], card["std"])
+
+
 # ---------------------------------------------------------------- main
-def starting_epoch(model, optimizer, scaler, train_loader, args):
+def starting_epoch(model, optimizer, scaler, train_loader, args, classes):
     """The epoch this run starts at: the checkpoint's when resuming or evaluating, else 0."""
-    start = restore_checkpoint(model, optimizer, scaler, train_loader, args) if args.resume or args.evaluate else 0
+    start = restore_checkpoint(model, optimizer, scaler, train_loader, args, classes) \
+        if args.resume or args.evaluate else 0
     # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
     # restart) or another one would train other epochs, and would skip a collective only resumers reached
     check_same_on_every_rank(start, "checkpoint epochs (0: none found)",
@@ -650,10 +763,10 @@ def train(device, args):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    start_epoch = starting_epoch(model, optimizer, scaler, train_loader, args)
+    start_epoch = starting_epoch(model, optimizer, scaler, train_loader, args, data["classes"])
     print0(f"world {plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | amp {args.amp} "
            f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | "
-           f"{plural(args.epochs, 'epoch')}")
+           + (f"evaluating epoch {start_epoch}" if args.evaluate else plural(args.epochs, 'epoch')))
 
     # built before the clock starts: DDP's constructor waits for the slowest rank to arrive.
     # no_buffer_broadcast(): by default DDP broadcasts rank 0's BatchNorm statistics before every
@@ -663,13 +776,15 @@ def train(device, args):
     ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
                                          **no_buffer_broadcast())
     start = time.perf_counter()
-    history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args)
+    history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args,
+                                           model_card(data))
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(model, device)
     sync_buffers(model)
     result = evaluate(model, test_loader, args.amp, device)
     print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
            f"accuracy {100 * result['test_accuracy']:.2f}%")
+    print0(per_class_line(result["per_class"], data["classes"]))
     result.update(data=data["name"], classes=len(data["classes"]), image_shape=data["shape"])
     report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args)
     return in_sync

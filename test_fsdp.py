@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import ROOT, cpu_env, kill_group, run_bounded, torchrun_cmd
+from conftest import ROOT, cpu_env, kill_group, run_bounded, run_doc_snippet, torchrun_cmd
 
 sys.path.insert(0, str(ROOT))
 import ddp_transformer  # noqa: E402
@@ -125,6 +125,17 @@ def test_export_loads_into_ddp_transformers_model_and_equals_the_reference(world
     model.load_state_dict(exported["model"])  # as is: no prefix, no DTensor
     for (name, p), q in zip(model.named_parameters(), reference[2].parameters()):
         assert torch.allclose(p, q, atol=1e-5), name
+
+
+@shared
+def test_generation_snippet_runs_on_the_exported_file(world2, tmp_path, capsys, monkeypatch):
+    """docs/generate.md's generate.py, run as written on the --export file: the prompt and 200 more
+    characters of the text's vocabulary (issue 32)."""
+    work, _, _ = world2
+    vocab = torch.load(work / "whole.pt", weights_only=True)["vocab"]
+    out = run_doc_snippet("generate.md", "# generate.py", [work / "whole.pt", "The "], tmp_path, capsys, monkeypatch)
+    text = out.removesuffix("\n")
+    assert text.startswith("The ") and len(text) == 4 + 200 and set(text) <= set(vocab), repr(out)
 
 
 @shared

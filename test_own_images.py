@@ -12,8 +12,11 @@ import contextlib
 import io
 import math
 import random
+import re
 import struct
 import sys
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import ddp_main
-from conftest import cpu_env
+from conftest import cpu_env, run_doc_snippet
 from ddp_main import ConvNet
 
 COLOURS = {"blue": (50, 60, 210), "green": (40, 180, 60), "red": (200, 40, 40)}  # sorted: ImageFolder's order
@@ -61,7 +64,7 @@ def as_tensors(files):
     return images.permute(0, 3, 1, 2), torch.tensor([label for _, label in files])
 
 
-def test_image_folder_at_two_processes(launch, script, metrics, tmp_path):
+def test_image_folder_at_two_processes(launch, script, metrics, tmp_path, capsys, monkeypatch):
     """ddp_main.py --data FOLDER at 2 processes: what was found is named, every test image is counted
     once, the colours are learnt, the replicas agree, and the checkpoint reproduces the test result here."""
     files = write_folder(tmp_path / "shapes", {"train": TRAIN, "test": TEST})
@@ -90,6 +93,30 @@ def test_image_folder_at_two_processes(launch, script, metrics, tmp_path):
         outputs = model((images - mean[:, None, None]) / std[:, None, None])
     assert round(m["test_accuracy"] * 99) == int((outputs.argmax(1) == labels).sum())
     assert m["test_loss"] == pytest.approx(F.cross_entropy(outputs, labels).item(), rel=1e-3, abs=1e-5)
+
+    # issue 32: the classes named, a per-class result, and a checkpoint that describes itself
+    assert "| 240 train, 99 test samples | classes: blue, green, red | normalised: " in r.stdout, r.stdout
+    per_class = re.search(r"^per class: blue [\d.]+% \((\d+)/31\), green [\d.]+% \((\d+)/33\), "
+                          r"red [\d.]+% \((\d+)/35\)$", r.stdout, flags=re.MULTILINE)
+    assert per_class and sum(map(int, per_class.groups())) == round(m["test_accuracy"] * 99), r.stdout
+    card = checkpoint["data"]
+    assert (card["kind"], card["classes"], card["shape"]) == ("images", ["blue", "green", "red"], [3, 32, 32])
+    assert card["mean"] == pytest.approx(mean.tolist(), abs=1e-6) and card["std"] == pytest.approx(std.tolist(), abs=1e-6)
+
+    # --predict on 5 new images: their class names, as the model computed here says; the docs' snippet agrees
+    new = write_folder(tmp_path / "new", {"x": [2, 2, 1]}, seed=7)["x"]
+    paths = [str(path.relative_to(tmp_path)) for path, _ in new]
+    p = launch([sys.executable, script("ddp_main.py"), "--predict", *paths], timeout=TIMEOUT, env=cpu_env())
+    predicted = re.findall(r"^(\S+) -> (\w+) \(([\d.]+)\)$", p.stdout, flags=re.MULTILINE)
+    names = [list(COLOURS)[label] for _, label in new]
+    images, _ = as_tensors(new)
+    with torch.no_grad():
+        expected = model((images - mean[:, None, None]) / std[:, None, None]).softmax(dim=1)
+    assert [(path, name) for path, name, _ in predicted] == list(zip(paths, names)), p
+    assert [float(prob) for *_, prob in predicted] == pytest.approx(expected.max(dim=1).values.tolist(), abs=2e-3)
+    assert p.stderr == "" and "world" not in p.stdout, p  # one process: no process group, nothing else said
+    pasted = run_doc_snippet("own_images.md", "# predict.py", paths, tmp_path, capsys, monkeypatch)
+    assert pasted == p.stdout, (pasted, p.stdout)
 
 
 # ---------------------------------------------------------------- the layout, checked before training
@@ -137,6 +164,65 @@ def test_layout_checks(tmp_path, capsys):
     assert "has train/ but no test/ or val/" in check(tmp_path / "notest", capsys)[1]
     (tmp_path / "ok" / "train" / "red" / "0.png").write_bytes(b"not a png")
     assert "cannot read the image" in check(tmp_path / "ok", capsys)[1]
+
+
+def test_a_bad_image_is_named_before_training_and_a_missing_test_class_said(tmp_path, capsys):
+    """Every image is decoded before training (issue 32): a truncated PNG in train or test is one error line
+    naming it, where only the headers were read before (and training crashed on it in epoch 1, or, in the
+    test split, after the last epoch). A class without test images is one note. Past the bound, the files
+    not decoded are decoded as training reads them, and a bad one is one line naming it then."""
+    write_folder(tmp_path / "f", {"train": [3, 3, 3], "test": [2, 2, 2]})
+    for bad in (tmp_path / "f" / "train" / "green" / "1.png", tmp_path / "f" / "test" / "red" / "0.png"):
+        whole = bad.read_bytes()
+        bad.write_bytes(whole[:len(whole) // 2])  # the header and half the pixels
+        error = check(tmp_path / "f", capsys)[1]
+        assert f"cannot read the image {bad} (OSError: image file is truncated" in error, error
+        bad.write_bytes(whole)
+    for image in (tmp_path / "f" / "test" / "red").iterdir():
+        image.unlink()
+    (tmp_path / "f" / "test" / "red").rmdir()
+    found, _ = check(tmp_path / "f", capsys)
+    assert found["classes"] == ["blue", "green", "red"]
+    assert capsys.readouterr().out == (f"note: {tmp_path / 'f' / 'test'} has no images of red (1 class of 3): "
+                                       "the test accuracy leaves them out\n")
+
+    files = sorted(str(path) for path in (tmp_path / "f" / "train").rglob("*.png"))
+    Path(files[1]).write_bytes(Path(files[1]).read_bytes()[:300])
+    assert ddp_main.image_format(files, most=5) == ("RGB", (32, 32))  # files 0, 2, 4, 6, 8 decoded
+    assert capsys.readouterr().out == ("note: 9 images: 5 of them (evenly spread) decoded before training, "
+                                       "the others as training reads them\n")
+    with pytest.raises(SystemExit) as exited:
+        ddp_main.read_image(files[1])
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and error == f"error: cannot read the image {files[1]} (OSError: image file " \
+        "is truncated) (remove or replace it)\n", error
+
+
+def test_predict_and_the_data_path_say_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
+    """--predict with a checkpoint written before checkpoints carried their data card, an image of another
+    size, a checkpoint of the synthetic stand-in: one line each. A mistyped --data beside another run's
+    checkpoint is named first (it used to be the checkpoint's line, and the typo only on the second try)."""
+    monkeypatch.chdir(tmp_path)
+    Image.new("L", (32, 32)).save("grey.png")
+    card = {"kind": "images", "classes": ["a", "b", "c"], "mean": [0.5] * 3, "std": [0.25] * 3, "shape": [3, 32, 32]}
+    weights = ConvNet(3, channels=3).state_dict()
+    cases = {"old.pt": ({"model": weights, "epoch": 5, "args": {}}, "old.pt does not hold its classes, mean, std, shape"),
+             "new.pt": ({"model": weights, "data": card}, "grey.png is L 32 x 32, the model takes RGB 32 x 32"),
+             "syn.pt": ({"model": weights, "data": {**card, "kind": "synthetic"}}, "trained on the synthetic stand-in"),
+             "bad.pt": ({"model": weights, "data": {**card, "std": [0.25]}}, "malformed data card (shape [3, 32, 32], "
+                                                                           "3 classes, 3 means, 1 stds)")}
+    for name, (state, says) in cases.items():
+        torch.save(state, name)
+        with pytest.raises(SystemExit) as exited:
+            ddp_main.check_args(ddp_main.parse_args(["--predict", "grey.png", "--checkpoint", name]))
+        lines = capsys.readouterr().err.splitlines()
+        assert exited.value.code == 2 and len(lines) == 1 and says in lines[0], lines
+
+    torch.save({"model": weights, "epoch": 5, "args": {}}, "ddp_checkpoint.pt")
+    with pytest.raises(SystemExit):
+        ddp_main.check_args(ddp_main.parse_args(["--device", "cpu", "--data", "colour"]))
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --data colour holds no data"), lines
 
 
 def test_a_typed_path_is_never_replaced_by_the_stand_in(tmp_path, capsys, monkeypatch):
@@ -238,3 +324,50 @@ def test_a_cut_image_folder_keeps_every_class(tmp_path, capsys):
     assert sorted(label for _, label in train) == sorted(label for _, label in test) == [0, 1, 2]
     assert train[0][0].shape == (1, 8, 8) and info["name"] == "image folder of 3 classes, 1 x 8 x 8"
     assert "| 3 train, 3 test samples |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- slow: after training (issue 32)
+@pytest.mark.slow
+def test_a_truncated_image_ends_a_real_launch_before_the_first_epoch(launch, script, tmp_path):
+    """A truncated PNG in train, then in test: exit 2, one error line naming it, no epoch trained. (It
+    used to be a traceback per rank in epoch 1, or, in the test split, after every epoch had trained.)"""
+    write_folder(tmp_path / "f", {"train": [8, 8, 8], "test": [2, 2, 2]})
+    for bad in (tmp_path / "f" / "train" / "red" / "3.png", tmp_path / "f" / "test" / "blue" / "1.png"):
+        whole = bad.read_bytes()
+        bad.write_bytes(whole[:len(whole) // 2])
+        r = launch([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "2", "--data", "f"],
+                   timeout=TIMEOUT, env=cpu_env(), check=False)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and errors == [f"error: cannot read the image {bad.relative_to(tmp_path)} "
+                                                "(OSError: image file is truncated) (remove or replace it)"], r
+        assert "epoch" not in r.stdout and "Traceback" not in r.stderr, r
+        bad.write_bytes(whole)
+
+
+@pytest.mark.slow
+def test_evaluate_names_the_epoch_and_each_class_and_old_checkpoints_load(launch, script, tmp_path):
+    """--evaluate says the checkpoint's own epoch (not --epochs') and a per-class accuracy; a checkpoint
+    without a data card (written before issue 32) still evaluates, --predict says in one line what it
+    lacks, and a --resume writes the card; a checkpoint of other class names is refused in one line."""
+    write_folder(tmp_path / "f", {"train": [24, 24, 24], "test": [6, 6, 6]})
+    command = [sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "1", "--data", "f", "-b", "8"]
+    launch([*command, "-e", "2"], timeout=TIMEOUT, env=cpu_env())
+    state = torch.load(tmp_path / "ddp_checkpoint.pt", weights_only=True)
+    del state["data"]
+    torch.save(state, tmp_path / "ddp_checkpoint.pt")  # as the checkpoints before issue 32
+    r = launch([*command, "--evaluate"], timeout=TIMEOUT, env=cpu_env())
+    assert "| evaluating epoch 2\n" in r.stdout and "| images | epoch 2 | not trained |" in r.stdout, r
+    assert re.search(r"^per class: blue [\d.]+% \(\d/6\), green [\d.]+% \(\d/6\), red [\d.]+% \(\d/6\)$",
+                     r.stdout, flags=re.MULTILINE), r.stdout
+    image = str((tmp_path / "f" / "test" / "red" / "0.png").relative_to(tmp_path))
+    p = launch([sys.executable, script("ddp_main.py"), "--predict", image], timeout=TIMEOUT, env=cpu_env(), check=False)
+    assert p.returncode == 2 and "does not hold its classes, mean, std, shape" in p.stderr, p
+    launch([*command, "--resume", "-e", "3"], timeout=TIMEOUT, env=cpu_env())
+    p = launch([sys.executable, script("ddp_main.py"), "--predict", image], timeout=TIMEOUT, env=cpu_env())
+    assert re.fullmatch(rf"{re.escape(image)} -> (blue|green|red) \([\d.]+\)\n", p.stdout), p
+    (tmp_path / "f" / "train" / "red").rename(tmp_path / "f" / "train" / "rose")
+    (tmp_path / "f" / "test" / "red").rename(tmp_path / "f" / "test" / "rose")
+    r = launch([*command, "--evaluate"], timeout=TIMEOUT, env=cpu_env(), check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "trained on the classes blue, green, red, this data has " \
+        "blue, green, rose" in errors[0], r

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 import ddp_transformer
-from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded
+from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, run_doc_snippet
 from ddp_main import ConvNet, SyntheticDigits
 from ddp_transformer import Transformer
 
@@ -840,6 +840,16 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
         ddp_transformer.read_checkpoint(args, (text, "the text", vocab))
     lines = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and "d_model" in lines[0], lines
+
+
+def test_transformer_generation_snippet_runs_on_the_checkpoint(run_sh, tmp_path, capsys, monkeypatch):
+    """docs/generate.md's generate.py, run as written on run.sh's ddp_transformer.py checkpoint: the
+    prompt and 200 more characters of the corpus's vocabulary (issue 32)."""
+    ck = run_sh.work / "transformer" / "ddp_transformer.pt"
+    vocab = torch.load(ck, weights_only=True)["vocab"]
+    out = run_doc_snippet("generate.md", "# generate.py", [ck, "The "], tmp_path, capsys, monkeypatch)
+    text = out.removesuffix("\n")
+    assert text.startswith("The ") and len(text) == 4 + 200 and set(text) <= set(vocab), repr(out)
 
 
 # ---------------------------------------------------------------- torch.compile
