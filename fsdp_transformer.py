@@ -690,9 +690,9 @@ def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None, red
             with amp:
                 logits = model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            del logits  # so that what the backward leaves alive is the gradients
             (loss * scale).backward()
         loss_sum += loss.detach()
+        del logits, loss  # what the backward left alive is now the gradients alone (Memory measures them)
         mark(f"backward {i + 1}")
     norm = None
     if clip:
@@ -1241,6 +1241,8 @@ class Memory:
             device, whole_run, {}, {}, None, None
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
+        elif torch.autograd.profiler._is_profiler_enabled:  # yours, around the run: left alone (one at a time)
+            print0("note: a profiler is already recording: no peak of this script's own")
         else:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -1309,7 +1311,7 @@ class Memory:
         if self.device.type != "cpu":
             return torch.accelerator.max_memory_allocated(self.device)
         self.stop()
-        return self.cpu_peak
+        return self.cpu_peak or 0
 
 
 def allocations(events):
