@@ -282,8 +282,9 @@ def refuse_ignored_model_flags(args):
     model_config(Reading(), None)
     ignored = [f"--{name}" for name in args.model_flags if name not in read]
     if ignored:
-        fail(f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not used by this script's model "
-             "(model_config does not read it)", f"drop {' '.join(ignored)}")
+        one = len(ignored) == 1
+        fail(f"{', '.join(ignored)} {'is' if one else 'are'} not used by this script's model (model_config does "
+             f"not read {'it' if one else 'them'})", f"drop {' '.join(ignored)}")
 
 
 # ---------------------------------------------------------------- process group

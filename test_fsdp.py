@@ -461,3 +461,103 @@ def test_the_whole_job_holds_nothing_whole_and_measures_its_gradients(tmp_path):
 
 def m_config(work):
     return json.loads((work / "fsdp_transformer_ckpt" / "latest.json").read_text())["config"]
+
+
+MIXER = '''
+
+class MixerBlock(nn.Module):
+    """Each position sees the mean of the positions up to it: causal, and no attention."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d_model), nn.Linear(2 * d_model, 2 * d_model), \\
+            nn.Linear(2 * d_model, d_model)
+
+    def forward(self, x):
+        h = self.norm(x)
+        mean = h.cumsum(1) / torch.arange(1, h.size(1) + 1, device=h.device).view(1, -1, 1)
+        return x + self.fc2(F.relu(self.fc1(torch.cat([h, mean], -1))))
+
+
+class CharMixer(nn.Module):
+    def __init__(self, vocab_size, d_model, num_layers, max_len):
+        super().__init__()
+        self.max_len, self.embedding = max_len, nn.Embedding(vocab_size, d_model)
+        self.layers = nn.ModuleList([MixerBlock(d_model) for _ in range(num_layers)])
+        self.norm, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size, bias=False)
+        self.out.weight = self.embedding.weight  # tied: one parameter, left to the root with both modules
+
+    def forward(self, x):
+        x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))
+
+
+def model_config(args, vocab):  # PORT'''
+
+
+def port_mixer(source):
+    """docs/fsdp.md's "Port your own model", followed: the model, its config, the context length in
+    generate(); the flags left as they were (the ones the new model ignores are refused)."""
+    text = source.replace("\n\ndef model_config(args, vocab):  # PORT", MIXER, 1)
+    text = text.replace("Transformer(**config)", "CharMixer(**config)")
+    start = text.index("    return {\"vocab_size\": len(vocab) if vocab else 100,")
+    end = text.index("\n\n", start)
+    text = text[:start] + ('    return {"vocab_size": len(vocab) if vocab else 100, "d_model": args.d_model, '
+                           '"num_layers": args.num_layers, "max_len": args.block_size}') + text[end:]
+    return text.replace("model.pos_encoding.max_len", "model.max_len")
+
+
+@pytest.mark.slow
+def test_a_ported_copy_trains_and_resumes_at_another_world_size(tmp_path):
+    """Issue 33: a copy with another model (tied embeddings, no attention), made as docs/fsdp.md says, trains
+    at 2 processes into its own checkpoint folder (mine_ckpt) and resumes at 1; a flag its model ignores is
+    one error line."""
+    source = (ROOT / "fsdp_transformer.py").read_text()
+    assert source.count("Transformer(**config)") == 2 and source.count("# PORT") >= 8
+    mine = tmp_path / "mine.py"
+    mine.write_text(port_mixer(source))
+    cmd = lambda n, *args: [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", mine, "--device", "cpu",
+                            "--sample", 20, "--log_every", 2, *map(str, args)]
+    first = run_bounded(cmd(2, "--max_steps", 6, "--metrics", "a.json"), tmp_path, timeout=300)
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert (tmp_path / "mine_ckpt" / "latest.json").exists() and not (tmp_path / "fsdp_transformer_ckpt").exists()
+    assert a["val_loss"] < a["first_val_loss"] and a["replicas_in_sync"] is True, first.stdout[-2000:]
+    second = run_bounded(cmd(1, "--max_steps", 10, "--resume", "--metrics", "b.json"), tmp_path, timeout=300)
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["world_size"] == 1 and b["steps"] == 4 and b["global_batch"] == a["global_batch"], b
+    assert "resuming from mine_ckpt at epoch 0, step 6" in second.stdout and b["replicas_in_sync"] is True
+    refused = run_bounded([sys.executable, mine, "--device", "cpu", "--num_heads", 2], tmp_path, check=False)
+    errors = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and errors == ["error: --num_heads is not used by this script's model "
+                                                  "(model_config does not read it) (drop --num_heads)"], str(refused)
+
+
+@pytest.mark.parametrize("module", [ddp_transformer, fsdp_transformer], ids=["ddp", "fsdp"])
+def test_a_resume_that_changes_the_schedule_says_so(module, capsys):
+    """Issue 33: resumed with a larger --max_steps, the schedule stretches and the rate climbs back up:
+    one line says so and names --lr_decay_steps; the same length says nothing."""
+    args = module.fill_defaults(module.parse_args(["--device", "cpu", "--checkpoint", "none"]))
+    module.note_schedule(60, 60, 60, args)
+    module.note_schedule(None, 120, 60, args)  # a checkpoint from before the length was saved
+    assert capsys.readouterr().out == ""
+    module.note_schedule(60, 120, 60, args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"note: the learning-rate schedule is now 120 steps long, the checkpoint's was 60: at step 60 "
+                     f"the rate is {module.lr_at(60, 120, args):.2e} instead of {module.lr_at(60, 60, args):.2e} "
+                     f"(pass --lr_decay_steps 60 to keep the checkpoint's schedule)"], lines
+    assert module.lr_at(60, 120, args) > 3 * module.lr_at(60, 60, args)  # what the line warns of
+
+
+def test_a_model_flag_the_model_does_not_read_is_refused(monkeypatch, capsys):
+    """Issue 33: a port whose model_config no longer reads --num_heads refuses it (one line); unpassed, fine."""
+    monkeypatch.setattr(fsdp_transformer, "model_config", lambda args, vocab: {"d_model": args.d_model})
+    args = fsdp_transformer.fill_defaults(fsdp_transformer.parse_args(["--d_model", "64"]))
+    fsdp_transformer.refuse_ignored_model_flags(args)
+    args = fsdp_transformer.fill_defaults(fsdp_transformer.parse_args(["--num_heads", "2", "--d_ff", "8"]))
+    with pytest.raises(SystemExit) as exited:
+        fsdp_transformer.refuse_ignored_model_flags(args)
+    assert exited.value.code == 2 and capsys.readouterr().err == \
+        "error: --num_heads, --d_ff are not used by this script's model (model_config does not read them) " \
+        "(drop --num_heads --d_ff)\n"
