@@ -18,6 +18,7 @@ Launch:
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --max_steps 200 --resume  # continue
     torchrun --standalone --nproc-per-node=4 fsdp_transformer.py --max_steps 200 --resume  # ... resharded to 4
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --export model.pt  # one file for Transformer
+    grep -n "# PORT" fsdp_transformer.py      # your own model: docs/fsdp.md, "Port your own model"
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node=2 --max-restarts=3 \
         fsdp_transformer.py --save_every_steps 10          # a restarted job continues its last save
 
@@ -35,6 +36,8 @@ The choices, where sharding is applied (shard()):
   the gathered weights and the compute are bf16, the gradients are reduced in fp32, and the
   shards, the optimizer and the checkpoints stay fp32. It replaces autocast here; fp16 would
   need a sharded GradScaler and is not offered.
+- Nothing whole after that: the sample runs the sharded model on every rank, --export streams one
+  tensor at a time to rank 0's CPU, and the replica check reads the shards where they are.
 - Initialisation: the whole model is built on every rank from --seed, as DDP's is, and then
   sharded: the weights at step 0 do not depend on the world size (bit for bit, tested at 1-4).
   (Built on the meta device, a model too large for one device would need a seeded init of
@@ -42,7 +45,8 @@ The choices, where sharding is applied (shard()):
   and output layer are separate weights; a model that ties them must shard them together.
 - Gradient accumulation: the first K-1 micro-batches skip the reduce-scatter
   (set_requires_gradient_sync(False), FSDP2's no_sync); their gradients are kept unsharded
-  until the K-th, which reduces the sum once. Clipping: clip_grad_norm_ returns the norm as a
+  (the whole model's, on every rank) until the K-th, which reduces the sum once. --accumulate
+  sharded reduce-scatters every micro-batch instead: only the shards held, K times the traffic. Clipping: clip_grad_norm_ returns the norm as a
   DTensor; full_tensor() makes it a plain number, the same as DDP's.
 
 Checkpoints (--checkpoint is a folder): each save is a new folder `step-N` holding every rank's
@@ -744,7 +748,7 @@ def generate(model, vocab, prompt, count, seed):
 
 def export(model, payload, path):
     """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
-    ddp_transformer.py's Transformer(**config) loads. Streamed (cpu_offload): each tensor is all-gathered in
+    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
     turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
@@ -1419,9 +1423,8 @@ def report(trainer, history, epochs, losses, in_sync, args):
         print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
                f"{clock.first_step_s:.1f} s")
-    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
-           + ("(the allocator's peak, the whole run)" if trainer.device.type != "cpu" else
-              f"(the profiler's, {'the whole run' if args.profile_memory else 'first two steps'})"))
+    window = "the whole run" if trainer.device.type != "cpu" or args.profile_memory else "first two steps"
+    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors ({window})")
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
