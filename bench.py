@@ -975,9 +975,9 @@ def memory_formula(formula, params, n):
     return 4 * params * (2 if formula.startswith("8") else 1) / (n if formula.endswith("/N") else 1)
 
 
-def memory_run(name, script, flags, n, args, folder):
+def memory_run(name, script, flags, n, args, folder, repeat=0):
     """One launch at N processes; its metrics (this rank's bytes: rank 0's), or None with a note."""
-    name = name.replace(" ", "_")
+    name = f"{name.replace(' ', '_')}-{repeat}"  # each repeat its own checkpoint: none continues another
     metrics = os.path.join(folder, f"{name}-{n}.json")
     if script != "ddp_uneven.py":  # a short text: the validation passes before and after are a few batches
         text = os.path.join(folder, "text.txt")
@@ -1003,7 +1003,7 @@ def memory_section(args):
     with tempfile.TemporaryDirectory() as folder:
         for name, script, flags, formulas, ns in MEMORY_RUNS:
             for n in ns:
-                runs = [memory_run(name, script, flags, n, args, folder) for _ in range(args.repeats)]
+                runs = [memory_run(name, script, flags, n, args, folder, i) for i in range(args.repeats)]
                 if None in runs:
                     failed = True
                     continue
