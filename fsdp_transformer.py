@@ -46,8 +46,9 @@ The choices, where sharding is applied (shard()):
 - Gradient accumulation: the first K-1 micro-batches skip the reduce-scatter
   (set_requires_gradient_sync(False), FSDP2's no_sync); their gradients are kept unsharded
   (the whole model's, on every rank) until the K-th, which reduces the sum once. --accumulate
-  sharded reduce-scatters every micro-batch instead: only the shards held, K times the traffic. Clipping: clip_grad_norm_ returns the norm as a
-  DTensor; full_tensor() makes it a plain number, the same as DDP's.
+  sharded reduce-scatters every micro-batch instead: only the shards held, K times the traffic.
+  Clipping: clip_grad_norm_ returns the norm as a DTensor; full_tensor() makes it a plain number,
+  the same as DDP's.
 
 Checkpoints (--checkpoint is a folder): each save is a new folder `step-N` holding every rank's
 shards, and counts only once `latest.json` names it: rank 0 writes that pointer atomically after
@@ -1022,7 +1023,8 @@ class Trainer:
         # the peak of every device in use, for the MFU
         self.clock = Throughput(flops_per_token(model, args.block_size), peak * dist.get_world_size() if peak
                                 else None, device, compiling=False)
-        self.memory = memory or Memory(device, args.profile_memory)  # train()'s counts its peak from before the model was built
+        # train()'s Memory counts its peak from before the model was built
+        self.memory = memory or Memory(device, args.profile_memory)
         # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
         self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
         self.log_sum, self.log_count = torch.zeros((), device=device), 0

@@ -378,8 +378,8 @@ def test_run_sh_fsdp_mode_passes(tmp_path):
 
 
 # ---------------------------------------------------------------- issue 33: nothing whole, measured, ported
-UNDER_PROFILER = '''"""Run argv[1:] as __main__ under torch.profiler's record of every CPU tensor allocation and free; write
-$ALLOC_OUT.<rank>.json: (time, address, bytes) of each, and the end of every optimizer step."""
+UNDER_PROFILER = '''"""Run argv[1:] as __main__ under torch.profiler's record of every CPU tensor allocation and
+free; write $ALLOC_OUT.<rank>.json: (time, address, bytes) of each, and the end of every optimizer step."""
 import json, os, runpy, sys
 import torch
 
@@ -431,8 +431,9 @@ def test_the_whole_job_holds_nothing_whole_and_measures_its_gradients(tmp_path):
     """Issue 33: the whole FSDP2 job (training with accumulation, saves, the sample, --export, the replica
     check, the exit) at world 2 under an allocation record. After the last step no rank holds more bytes of
     tensors than while training, nor allocates a bigger tensor (a block all-gathered for the sample; one
-    parameter for --export and the replica check); no allocation of the run is the model's size. The gradient bytes reported equal the model's (whole,
-    unsharded, between micro-batches) under --grad_accum 2, and each rank's shard with --accumulate sharded."""
+    parameter for --export and the replica check); no allocation of the run is the model's size. The
+    gradient bytes reported equal the model's (whole, unsharded, between micro-batches) under --grad_accum 2,
+    and each rank's shard with --accumulate sharded."""
     (tmp_path / "under_profiler.py").write_text(UNDER_PROFILER)
     sizes = ["--d_model", 192, "--batch_size", 4, "--block_size", 64]
     cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", "under_profiler.py", SCRIPT, "--device", "cpu",
