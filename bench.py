@@ -190,7 +190,8 @@ def parse_args(argv=None):
                         "so that a plumbing check never replaces a measurement)")
     p.add_argument("--memory", action="store_true",
                    help="only the memory section: bytes per rank of DDP, ZeRO and FSDP2 at N = 1, 2, 4 at one model "
-                        "size, beside their formulas; writes --memory_out (about 3 minutes on 2 cores)")
+                        "size, beside their formulas, and FSDP2's two ways to accumulate at N = 2; --repeats runs of "
+                        "each, the peak their median; writes --memory_out (about 10 minutes on 2 cores)")
     p.add_argument("--memory_out", default="bench_memory.json", metavar="PATH",
                    help="where the memory section writes its rows (default: %(default)s)")
     p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
@@ -955,10 +956,18 @@ def run_plan(runnable, flags, args, started):
 # first step, the peak is measured over the run.
 MEMORY_TRANSFORMER = ["--d_model", "384", "--num_layers", "6", "--num_heads", "6", "--block_size", "64",
                       "--batch_size", "2", "--max_steps", "3", "--sample", "0", "--log_every", "0"]
-MEMORY_RUNS = (  # name, script, flags, formula per rank of (parameters, gradients, optimizer state) in P and N
-    ("DDP", "ddp_transformer.py", MEMORY_TRANSFORMER, ("4P", "4P", "8P")),
-    ("ZeRO", "ddp_uneven.py", ["--zero", "--width", "1636", "-e", "1", "--samples", "256"], ("4P", "4P", "8P/N")),
-    ("FSDP2", "fsdp_transformer.py", MEMORY_TRANSFORMER, ("4P/N", "4P/N", "8P/N")),
+# FSDP2 records every allocation of its whole run (--profile_memory), so its peak includes the end: the
+# sample, the export-free replica check, the exit; its gradients are measured (tensors alive after backward).
+# Under --grad_accum 2 the two ways FSDP2 can hold the gradients between micro-batches, at N = 2 only.
+FSDP_MEMORY = [*MEMORY_TRANSFORMER, "--profile_memory"]
+MEMORY_RUNS = (  # name, script, flags, formula per rank of (parameters, gradients, optimizer state), the Ns
+    ("DDP", "ddp_transformer.py", MEMORY_TRANSFORMER, ("4P", "4P", "8P"), (1, 2, 4)),
+    ("ZeRO", "ddp_uneven.py", ["--zero", "--width", "1636", "-e", "1", "--samples", "256"], ("4P", "4P", "8P/N"),
+     (1, 2, 4)),
+    ("FSDP2", "fsdp_transformer.py", FSDP_MEMORY, ("4P/N", "4P/N", "8P/N"), (1, 2, 4)),
+    ("FSDP2 K=2 unsharded", "fsdp_transformer.py", [*FSDP_MEMORY, "--grad_accum", "2"], ("4P/N", "4P", "8P/N"), (2,)),
+    ("FSDP2 K=2 sharded", "fsdp_transformer.py", [*FSDP_MEMORY, "--grad_accum", "2", "--accumulate", "sharded"],
+     ("4P/N", "4P/N", "8P/N"), (2,)),
 )
 
 
@@ -966,8 +975,9 @@ def memory_formula(formula, params, n):
     return 4 * params * (2 if formula.startswith("8") else 1) / (n if formula.endswith("/N") else 1)
 
 
-def memory_run(name, script, flags, n, args, folder):
+def memory_run(name, script, flags, n, args, folder, repeat=0):
     """One launch at N processes; its metrics (this rank's bytes: rank 0's), or None with a note."""
+    name = f"{name.replace(' ', '_')}-{repeat}"  # each repeat its own checkpoint: none continues another
     metrics = os.path.join(folder, f"{name}-{n}.json")
     if script != "ddp_uneven.py":  # a short text: the validation passes before and after are a few batches
         text = os.path.join(folder, "text.txt")
@@ -991,15 +1001,17 @@ def memory_section(args):
     """Bytes per rank of DDP / ZeRO / FSDP2 at N = 1, 2, 4, measured beside the formula; 1 if a run failed."""
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as folder:
-        for name, script, flags, formulas in MEMORY_RUNS:
-            for n in (1, 2, 4):
-                m = memory_run(name, script, flags, n, args, folder)
-                if m is None:
+        for name, script, flags, formulas, ns in MEMORY_RUNS:
+            for n in ns:
+                runs = [memory_run(name, script, flags, n, args, folder, i) for i in range(args.repeats)]
+                if None in runs:
                     failed = True
                     continue
+                m, peaks = runs[0], sorted(r["peak_memory_bytes"] for r in runs)
                 params = m.get("params") or m["param_bytes"] // 4  # the MLP's metrics hold its bytes only
                 rows.append({"run": name, "world_size": n, "params": params,
-                             "peak_memory_bytes": m["peak_memory_bytes"],
+                             "peak_memory_bytes": peaks[len(peaks) // 2], "peak_memory_runs": peaks,
+                             "grad_bytes_measured": script == "fsdp_transformer.py",
                              **{k: m[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
                              **{f"{k}_formula": memory_formula(f, params, n) for k, f in
                                 zip(("param_bytes", "grad_bytes", "optimizer_bytes"), formulas)},
@@ -1013,17 +1025,20 @@ def memory_section(args):
 def print_memory_table(rows):
     mib = 2 ** 20
     print("\nmemory per rank (rank 0), MiB: measured (formula; P parameters, N processes)")
-    print(f"{'run':<6} {'N':>2} {'P (M)':>6}  {'parameters':>20} {'gradients':>20} {'optimizer':>20} "
-          f"{'sum':>8} {'peak measured':>14}")
+    print(f"{'run':<20} {'N':>2} {'P (M)':>6}  {'parameters':>20} {'gradients':>20} {'optimizer':>20} "
+          f"{'sum':>8} {'peak: median (min-max)':>24}")
     for r in rows:
         cells = [f"{r[k] / mib:7.1f} ({f} {r[k + '_formula'] / mib:6.1f})" for k, f in
                  zip(("param_bytes", "grad_bytes", "optimizer_bytes"), r["formulas"])]
         total = sum(r[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
-        peak = f"{r['peak_memory_bytes'] / mib:14.1f}" if r["peak_memory_bytes"] is not None else f"{'n/a':>14}"
-        print(f"{r['run']:<6} {r['world_size']:>2} {r['params'] / 1e6:6.2f}  {' '.join(f'{c:>20}' for c in cells)} "
-              f"{total / mib:8.1f} {peak}")
-    print("peak measured: the most bytes of tensors alive at once on rank 0 (CPU: torch.profiler's allocations "
-          "and frees over the first two steps; GPU: max_memory_allocated); the rest is counted from the tensors")
+        runs = r["peak_memory_runs"]
+        peak = f"{r['peak_memory_bytes'] / mib:.1f} ({runs[0] / mib:.1f}-{runs[-1] / mib:.1f})"
+        print(f"{r['run']:<20} {r['world_size']:>2} {r['params'] / 1e6:6.2f}  {' '.join(f'{c:>20}' for c in cells)} "
+              f"{total / mib:8.1f} {peak:>24}")
+    print(f"peak: the most bytes of tensors alive at once on rank 0, the median of {len(rows[0]['peak_memory_runs'])} "
+          "runs (CPU: torch.profiler's allocations and frees, over the first two steps for DDP and ZeRO, the whole "
+          "run for FSDP2; GPU: max_memory_allocated); FSDP2's gradients are measured (tensors alive after the "
+          "backward), the other columns counted from the tensors" if rows else "no rows")
 
 
 def main():

@@ -639,10 +639,16 @@ def stop_on_interrupt(checkpoint=None):
 
 def describe_checkpoint(path):
     """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
-    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out. A folder
+    of sharded saves is described by its pointer, `latest.json` (JSON), which names the save that counts."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        if path and os.path.isdir(path):
+            with open(os.path.join(path, "latest.json"), encoding="utf-8") as f:
+                state = json.load(f)
+            path = os.path.join(path, str(state["folder"])) if isinstance(state, dict) else path
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError):
         state = None
     if not isinstance(state, dict):
         return "no checkpoint kept"
@@ -832,26 +838,69 @@ def release_ddp():
 
 
 def replicas_in_sync(model, device):
-    """True when every rank's parameters equal rank 0's, bit for bit.
+    """True when every rank's parameters equal those of the ranks that hold the same values, bit for bit.
 
-    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
-    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
-    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
-    weighted sum of its parameters) only lets a reader tell runs apart.
+    One parameter at a time, so the check never holds more than one parameter's copy. A plain
+    parameter (DDP: every rank holds it whole) is broadcast by rank 0 and compared (torch.equal) on
+    every rank: exact, where sums of the weights can differ in the last bit between GPU models, or
+    coincide for different weights. A sharded one (FSDP2's DTensor) is compared only across the ranks
+    its mesh replicates it over (HSDP); where the mesh only shards, no rank holds another's values
+    and what is checked is that the shards tile the parameters (their sizes add up to the model's).
+    The fingerprint printed (the sum of x * sin(i) over the parameters, i each value's index in the
+    whole model; each value counted once, by its first holder) lets a reader tell runs apart, and is
+    the same, to rounding, whether the model is sharded or not. Nothing is gathered whole.
     """
-    same = True
+    same, base, whole = True, 0, 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
     for p in model.parameters():
-        theirs = p.detach().clone()
-        dist.broadcast(theirs, src=0)
-        same = same and torch.equal(theirs, p.detach())
+        local, offsets, first, groups = held_part(p.detach())
+        for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
+            theirs = local.clone()
+            dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            same = same and torch.equal(theirs, local)
+        if first:
+            sums[0] += fingerprint_terms(local, offsets, p.shape, base)
+            sums[1] += local.numel()
+        base, whole = base + p.numel(), whole + p.numel()
+    dist.all_reduce(sums)
+    same = same and int(sums[1].item()) == whole  # the shards tile the model, as this rank sees it
     verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
     differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
-    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {sums[0].item():.10e})")
     return not differ
+
+
+def held_part(p):
+    """(this rank's part of parameter p, its offsets in p, whether this rank is its first holder, the
+    process groups of the ranks holding the same part: None is the whole world)."""
+    if not hasattr(p, "device_mesh"):  # a plain tensor: every rank holds all of it
+        return p, (0,) * p.dim(), dist.get_rank() == 0, [None]
+    mesh, chunk = p.device_mesh, p.__create_chunk_list__()[0]  # a DTensor: the mesh says who holds what
+    replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
+    first = all(mesh.get_coordinate()[i] == 0 for i in replicated)
+    return p.to_local(), tuple(chunk.offsets), first, [mesh.get_group(i) for i in replicated]
+
+
+def fingerprint_terms(local, offsets, shape, base, rows=4096):
+    """The sum of x * sin(base + i) over `local`, the block at `offsets` of a tensor of `shape`, i each
+    value's flat index in that tensor: in float64, a few rows at a time, never a copy of the whole."""
+    if local.numel() == 0:
+        return 0.0
+    if local.dim() == 0:  # a scalar parameter: one row of one value
+        local, offsets, shape = local.reshape(1), (0,), (1,)
+    strides = torch.empty(shape, device="meta").stride()
+    inner = torch.zeros((), dtype=torch.float64, device=local.device)  # the index within a row, by broadcasting
+    for d in range(1, local.dim()):
+        along = (offsets[d] + torch.arange(local.shape[d], device=local.device)) * strides[d]
+        inner = inner.unsqueeze(-1) + along.double()
+    total = torch.zeros((), dtype=torch.float64, device=local.device)
+    for start in range(0, local.shape[0], rows):
+        at = torch.arange(start, min(start + rows, local.shape[0]), device=local.device) + offsets[0]
+        index = (at.double() * strides[0] + base).view(-1, *(1,) * (local.dim() - 1)) + inner
+        total += (local[start:start + rows].double() * torch.sin(index)).sum()
+    return total
 
 
 def atomic_write(path, write):

@@ -18,6 +18,7 @@ Launch:
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --max_steps 200 --resume  # continue
     torchrun --standalone --nproc-per-node=4 fsdp_transformer.py --max_steps 200 --resume  # ... resharded to 4
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --export model.pt  # one file for Transformer
+    grep -n "# PORT" fsdp_transformer.py      # your own model: docs/fsdp.md, "Port your own model"
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \
         --save_every_steps 10                              # a restarted job continues its last save
 
@@ -35,6 +36,8 @@ The choices, where sharding is applied (shard()):
   the gathered weights and the compute are bf16, the gradients are reduced in fp32, and the
   shards, the optimizer and the checkpoints stay fp32. It replaces autocast here; fp16 would
   need a sharded GradScaler and is not offered.
+- Nothing whole after that: the sample runs the sharded model on every rank, --export streams one
+  tensor at a time to rank 0's CPU, and the replica check reads the shards where they are.
 - Initialisation: the whole model is built on every rank from --seed, as DDP's is, and then
   sharded: the weights at step 0 do not depend on the world size (bit for bit, tested at 1-4).
   (Built on the meta device, a model too large for one device would need a seeded init of
@@ -42,8 +45,10 @@ The choices, where sharding is applied (shard()):
   and output layer are separate weights; a model that ties them must shard them together.
 - Gradient accumulation: the first K-1 micro-batches skip the reduce-scatter
   (set_requires_gradient_sync(False), FSDP2's no_sync); their gradients are kept unsharded
-  until the K-th, which reduces the sum once. Clipping: clip_grad_norm_ returns the norm as a
-  DTensor; full_tensor() makes it a plain number, the same as DDP's.
+  (the whole model's, on every rank) until the K-th, which reduces the sum once. --accumulate
+  sharded reduce-scatters every micro-batch instead: only the shards held, K times the traffic.
+  Clipping: clip_grad_norm_ returns the norm as a DTensor; full_tensor() makes it a plain number,
+  the same as DDP's.
 
 Checkpoints (--checkpoint is a folder): each save is a new folder `step-N` holding every rank's
 shards, and counts only once `latest.json` names it: rank 0 writes that pointer atomically after
@@ -60,6 +65,7 @@ after a torchrun restart, without): the job is stamped in the pointer.
 # ---------------------------------------------------------------- imports
 import argparse
 import atexit
+import gc
 import contextlib
 import enum
 import fcntl
@@ -115,6 +121,7 @@ MAX_STEPS = 60
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
 LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
+MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
 
 
 # ---------------------------------------------------------------- arguments
@@ -145,6 +152,10 @@ def add_length_args(p):
     p.add_argument("--grad_accum", type=int, default=None, metavar="K",
                    help="micro-batches per optimizer step; the first K-1 skip the all-reduce (default: 1; "
                         "with --resume at another world size, what keeps the checkpoint's global batch)")
+    p.add_argument("--accumulate", choices=["unsharded", "sharded"], default="unsharded",
+                   help="what FSDP2 holds between --grad_accum's micro-batches: unsharded: whole gradients "
+                        "(4 bytes a parameter on every rank), reduce-scattered once a step; sharded: each "
+                        "micro-batch's reduce-scattered at once, only this rank's shard held, K times the traffic")
 
 
 def add_optimizer_args(p):
@@ -175,14 +186,14 @@ def add_data_args(p):
                    help="characters per training window (context length; default 128, 9 on toy)")
 
 
-def add_model_args(p):
+def add_model_args(p):  # PORT: your model's sizes (and MODEL_FLAGS); a flag model_config does not read is refused
     p.add_argument("--d_model", type=int, default=None, metavar="D", help="width (default 128; 12 on toy)")
-    p.add_argument("--num_heads", type=int, default=4, metavar="H", help="attention heads")
+    p.add_argument("--num_heads", type=int, default=None, metavar="H", help="attention heads (default 4)")
     p.add_argument("--d_ff", type=int, default=None, metavar="F",
                    help="feed-forward width (default 4 x d_model; 24 on toy)")
     p.add_argument("--num_layers", type=int, default=None, metavar="L",
                    help="Transformer blocks (default 4; 2 on toy)")
-    p.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout probability")
+    p.add_argument("--dropout", type=float, default=None, metavar="P", help="dropout probability (default 0)")
     p.add_argument("--amp", choices=["auto", "bf16", "off"], default="auto",
                    help="FSDP's mixed precision: bf16 compute, fp32 gradient reduction and shards; auto (the "
                         "same rule in every script of the collection): bf16 on a GPU that computes it natively (CUDA "
@@ -201,7 +212,7 @@ def add_run_args(p):
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
                    help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
-    p.add_argument("--checkpoint", default="fsdp_transformer_ckpt", metavar="DIR",
+    p.add_argument("--checkpoint", default=f"{os.path.splitext(os.path.basename(__file__))[0]}_ckpt", metavar="DIR",
                    help="folder of sharded checkpoints (every rank writes its shards), saved at the end of every "
                         "epoch and of the run")
     p.add_argument("--export", default=None, metavar="PATH",
@@ -219,6 +230,9 @@ def add_run_args(p):
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write a JSON summary of the run here (rank 0)")
+    p.add_argument("--profile_memory", action="store_true",
+                   help="on CPU, record every tensor allocation of the whole run, its end included, for the peak "
+                        "(default: the first two steps; the record costs process memory as the run goes)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
 
@@ -229,8 +243,9 @@ def fill_defaults(args):
     # what the user chose of the step's split; on --resume the rest is chosen to keep the global batch
     args.passed = {n: getattr(args, n) for n in ("batch_size", "grad_accum") if getattr(args, n) is not None}
     args.grad_accum = 1 if args.grad_accum is None else args.grad_accum
-    for name, text_default, toy_default in (("batch_size", 8, 2), ("block_size", 128, 9),
-                                            ("d_model", 128, 12), ("num_layers", 4, 2)):
+    args.model_flags = [n for n in MODEL_FLAGS if getattr(args, n, None) is not None]  # the ones passed
+    for name, text_default, toy_default in (("batch_size", 8, 2), ("block_size", 128, 9), ("d_model", 128, 12),
+                                            ("num_layers", 4, 2), ("num_heads", 4, 4), ("dropout", 0.0, 0.0)):
         if getattr(args, name) is None:
             setattr(args, name, toy_default if toy else text_default)
     if args.d_ff is None:
@@ -247,6 +262,7 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
+    refuse_ignored_model_flags(args)
     check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
                    "d_model", "num_heads", "d_ff", "num_layers", "timeout", "peak_tflops")
     for name in ("eval_every", "log_every", "sample", "save_every_steps"):
@@ -272,6 +288,23 @@ def check_args(args):
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
     lock_checkpoint_folder(args.checkpoint)  # a second run on the same folder: one line
     return args
+
+
+def refuse_ignored_model_flags(args):
+    """A model flag passed that model_config does not read would be ignored without a word (a ported
+    model with no attention heads still taking --num_heads): one error line instead."""
+    read = set()
+
+    class Reading:  # args, noting which of them model_config reads
+        def __getattr__(self, name):
+            read.add(name)
+            return getattr(args, name)
+    model_config(Reading(), None)
+    ignored = [f"--{name}" for name in args.model_flags if name not in read]
+    if ignored:
+        one = len(ignored) == 1
+        fail(f"{', '.join(ignored)} {'is' if one else 'are'} not used by this script's model (model_config does "
+             f"not read {'it' if one else 'them'})", f"drop {' '.join(ignored)}")
 
 
 # ---------------------------------------------------------------- process group
@@ -513,7 +546,7 @@ class TransformerBlock(nn.Module):
         return x + self.dropout(self.ffn(self.norm2(x)))
 
 
-class Transformer(nn.Module):
+class Transformer(nn.Module):  # PORT: your model: token ids (B, T) in, logits (B, T, vocab_size) out
     """Token ids (B, T) -> next-token logits (B, T, vocab_size); position t sees tokens <= t only."""
 
     def __init__(self, vocab_size, d_model=512, num_heads=8, d_ff=2048, num_layers=6, max_len=5000,
@@ -533,7 +566,7 @@ class Transformer(nn.Module):
         return self.out_linear(self.norm(x))
 
 
-def model_config(args, vocab):
+def model_config(args, vocab):  # PORT: your model's constructor arguments, from your flags
     """The Transformer's constructor arguments: stored in the checkpoint, compared on resume."""
     return {"vocab_size": len(vocab) if vocab else 100,  # the seed's vocabulary size on toy
             "d_model": args.d_model, "num_heads": args.num_heads,
@@ -541,7 +574,7 @@ def model_config(args, vocab):
             "dropout": args.dropout}
 
 
-def flops_per_token(model, block):
+def flops_per_token(model, block):  # PORT: your model's FLOPs (only the MFU and the model: line use it)
     """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
 
     The embedding is a lookup, not a matmul, so its table is left out. The attention
@@ -600,7 +633,7 @@ def peak_of(name, precision):
 def make_optimizer(model, args):
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
-    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
+    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding (PORT: its name)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
@@ -624,6 +657,16 @@ def lr_at(step, total, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def note_schedule(saved, schedule, step, args):
+    """On a resume: one line when the schedule's length is not the one the checkpoint followed (a larger
+    --max_steps stretches it, and the rate climbs back up), naming --lr_decay_steps, which keeps it."""
+    if saved is None or saved == schedule:  # a checkpoint from before the length was saved says nothing
+        return
+    print0(f"note: the learning-rate schedule is now {schedule} steps long, the checkpoint's was {saved}: at "
+           f"step {step} the rate is {lr_at(step, schedule, args):.2e} instead of {lr_at(step, saved, args):.2e} "
+           f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
+
+
 @contextlib.contextmanager
 def no_sync(model):
     """FSDP2's counterpart of DDP's no_sync(): backward passes in here reduce-scatter nothing; the
@@ -644,11 +687,13 @@ def step_seed(seed, rank, step):
     return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
 
 
-def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None):
+def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None, reduce_every=False, mark=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
 
     The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
-    reduce-scatters the sum once.
+    reduce-scatters the sum once; with reduce_every (--accumulate sharded) every backward
+    reduce-scatters, and only the shards of the gradients are held between micro-batches.
+    mark: called before the first forward and after each backward (Memory measures the gradients).
     step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
     Each micro-batch's summed loss is divided by them and multiplied by the world size,
     which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
@@ -659,14 +704,18 @@ def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None):
     world = dist.get_world_size() if dist.is_initialized() else 1
     scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
     loss_sum = torch.zeros((), device=micro_batches[0][1].device)
+    mark = mark or (lambda label: None)
+    mark("start")
     for i, (x, y) in enumerate(micro_batches):
-        sync = i == len(micro_batches) - 1
+        sync = reduce_every or i == len(micro_batches) - 1
         with contextlib.nullcontext() if sync else no_sync(model):
             with amp:
                 logits = model(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             (loss * scale).backward()
         loss_sum += loss.detach()
+        del logits, loss  # what the backward left alive is now the gradients alone (Memory measures them)
+        mark(f"backward {i + 1}")
     norm = None
     if clip:
         # the norm of the whole gradient, a DTensor (each rank holds a shard); full_tensor(): a plain number
@@ -697,7 +746,8 @@ def evaluate(model, dataset, indices, batches, amp):
 
 @torch.no_grad()
 def generate(model, vocab, prompt, count, seed):
-    """Sample `count` characters after `prompt` from the whole (consolidated) model, on rank 0 only."""
+    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
+    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -705,11 +755,23 @@ def generate(model, vocab, prompt, count, seed):
     ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(count):
-        logits = model(ids[:, -model.pos_encoding.max_len:])[0, -1].float()
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        logits = model(ids[:, -model.pos_encoding.max_len:])[0, -1].float()  # PORT: your model's context length
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
+        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
+        ids = torch.cat([ids, nxt], dim=1)
     model.train(was_training)
     return "".join(vocab[i] for i in ids[0].tolist())
+
+
+def export(model, payload, path):
+    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
+    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
+    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        save_checkpoint({"model": weights, **payload}, path)
+        say(f"exported the whole model to {path}")
+    del weights
 
 
 # ---------------------------------------------------------------- checkpoint
@@ -740,7 +802,7 @@ def read_checkpoint(args, corpus):
              f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
              "delete the folder to start afresh", every_node=True)
     with torch.device("meta"):  # the shapes only: no memory for weights
-        shapes = Transformer(**config)
+        shapes = Transformer(**config)  # PORT: your model
     check_tensors(inside(args.checkpoint, state["folder"], stat.S_ISDIR), shapes)
     return state
 
@@ -985,7 +1047,9 @@ def read_pointer(root):
               ["batch_size"] * (not 0 < state["batch_size"] <= state["global_batch"]) + \
               ["folder"] * (not SAVE.fullmatch(state["folder"])) + \
               ["job"] * (not isinstance(state.get("job"), (str, type(None)))) + \
-              ["text"] * (type(state.get("text", 0)) is not int)
+              ["text"] * (type(state.get("text", 0)) is not int) + \
+              ["schedule"] * (not (state.get("schedule") is None or type(state["schedule"]) is int
+                                   and 0 < state["schedule"] < 2 ** 48))
     if bad:
         fail(f"{pointer} is not a checkpoint pointer of this script ({', '.join(bad)} missing or out of range)",
              "delete the folder to start afresh", every_node=True)
@@ -1134,8 +1198,13 @@ def run_length(steps_per_epoch, args):
     return total, math.ceil(total / steps_per_epoch)
 
 
-def shard(model, device, args):
-    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring)."""
+def shard(model, device, args):  # PORT: your model's repeated blocks (model.layers here), then the root
+    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring).
+
+    What it expects of the model: a list of blocks, each one unit of all-gather and reduce-scatter
+    (model.layers), and the rest under the root. A weight used in two places (an embedding tied to
+    the output layer) must be in one unit: leave both modules to the root, never one in a block.
+    """
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # named: a CPU mesh runs on gloo
     bf16 = args.amp == "bf16"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -1164,14 +1233,6 @@ def reduction_averages(mesh, device):
     return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
 
 
-def consolidated(model, config, device):
-    """The whole model, unsharded, on every rank (one all-gather per tensor): for the sample, the
-    replica check and --export. It needs a whole model's memory, once, at the end."""
-    whole = Transformer(**config).to(device)
-    whole.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
-    return whole
-
-
 class Trainer:
     """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
 
@@ -1191,11 +1252,14 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
         self.total, self.epochs = run_length(self.steps_per_epoch, args)
         self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
+        if checkpoint is not None:
+            note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
         peak, self.peak_source = device_peak(args, device)
         # the peak of every device in use, for the MFU
         self.clock = Throughput(flops_per_token(model, args.block_size), peak * dist.get_world_size() if peak
                                 else None, device, compiling=False)
-        self.memory = memory or Memory(device)  # train()'s counts its peak from before the model was built
+        # train()'s Memory counts its peak from before the model was built
+        self.memory = memory or Memory(device, args.profile_memory)
         # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
         self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
         self.log_sum, self.log_count = torch.zeros((), device=device), 0
@@ -1237,7 +1301,8 @@ class Trainer:
             commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
                                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size})
+                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                                             "schedule": self.schedule})
         self.committed = folder
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
@@ -1248,6 +1313,7 @@ class Trainer:
         indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
         most = math.ceil(len(self.val_set) / dist.get_world_size())  # rank 0's windows, the most any rank has
         totals = evaluate(self.model, self.val_set, indices, math.ceil(most / self.args.batch_size), self.amp)
+        self.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
         dist.all_reduce(totals)
         return (totals[0] / totals[1]).item()
 
@@ -1256,14 +1322,15 @@ class Trainer:
             group["lr"] = lr_at(self.step, self.schedule, self.args)
         step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
         torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
-        loss_sum, tokens, norm = train_step(self.model, self.optimizer, micro_batches, self.amp,
-                                            self.args.clip, step_tokens)
+        loss_sum, tokens, norm = train_step(self.model, self.optimizer, micro_batches, self.amp, self.args.clip,
+                                            step_tokens, self.args.accumulate == "sharded",
+                                            self.memory.mark if self.steps == 0 else None)
         self.grad_norms.append(norm)
         self.step, self.steps = self.step + 1, self.steps + 1
         self.log_sum += loss_sum
         self.log_count += tokens
         self.clock.stepped(step_tokens)
-        self.memory.after_step(self.steps, self.model, self.optimizer)
+        self.memory.after_step(self.steps)
         return loss_sum, tokens
 
     def _log(self):
@@ -1397,21 +1464,26 @@ class Throughput:
 
 
 class Memory:
-    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
+    """This rank's bytes of parameters, gradients and optimizer state, and the peak, all measured.
 
-    The three are counted from this rank's tensors (a gradient is the size and dtype of its
-    parameter, held from the backward pass to the optimizer step). The peak is measured from
-    construction on, over the first two steps (the second is the first whose backward holds
-    the optimizer's state too): on an accelerator by torch's allocator (max_memory_allocated);
-    on the CPU, where torch keeps no such count (and the process's resident size holds the
-    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
-    allocation and free: the most bytes of tensors alive at once.
+    Parameters and optimizer state are counted from this rank's tensors (a DTensor's local shard).
+    Gradients are measured: the bytes of tensors alive after each backward of the first step, less
+    those alive before its first forward (the most over its micro-batches: under --grad_accum
+    unsharded, FSDP2 holds whole gradients between them). The peak is the most bytes of tensors alive
+    at once: on an accelerator by torch's allocator, over the whole run, its end included; on the CPU,
+    where torch keeps no such count (and the process's resident size holds the libraries, and pages
+    malloc keeps after a free), by the profiler's record of every tensor allocation and free, over the
+    first two steps, or with --profile_memory over the whole run, its end included (the profiler's own
+    record grows with the run: about 500 MiB of process memory, not of tensors, over a 60-step run).
     """
 
-    def __init__(self, device):
-        self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
+    def __init__(self, device, whole_run=False):
+        self.device, self.whole_run, self.counted, self.marks, self.profiler, self.cpu_peak = \
+            device, whole_run, {}, {}, None, None
         if device.type != "cpu":
             torch.accelerator.reset_peak_memory_stats(device)
+        elif torch.autograd.profiler._is_profiler_enabled:  # yours, around the run: left alone (one at a time)
+            print0("note: a profiler is already recording: no peak of this script's own")
         else:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -1419,40 +1491,60 @@ class Memory:
             self.profiler.start()
             atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
 
-    def after_step(self, steps, model, optimizer):
-        """After this invocation's step `steps`: the bytes after the first, the peak's window ends after the second."""
-        if steps == 1:
-            self.count(model, optimizer)
-        if steps == 2:
+    def mark(self, label):
+        """Note the bytes of tensors alive now, as `label`: every tensor and gradient Python still reaches
+        (each storage once). Not the profiler's running total, which misses what other threads free."""
+        gc.collect()
+        seen, total = set(), 0
+        for obj in gc.get_objects():
+            if type(obj) not in (torch.Tensor, nn.Parameter):  # a DTensor's own local tensor is found apart
+                continue
+            grad = obj.grad if type(obj) is nn.Parameter else None
+            for t in (obj, grad.to_local() if hasattr(grad, "to_local") else grad):
+                if t is not None and t.device.type == self.device.type and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+        self.marks[label] = total
+
+    def after_step(self, steps):
+        """After this invocation's step `steps`: the CPU peak's window ends after the second, unless whole_run."""
+        if steps == 2 and not self.whole_run:
             self.stop()
 
     def stop(self):
-        """End the CPU peak's window: the running total of the profiler's allocations (+) and frees (-)."""
+        """End the CPU's record: the running total of its allocations (+) and frees (-), by address. A free
+        on a thread the profiler does not watch (gloo's, which ends a collective) is not recorded: a later
+        allocation at the same address says the block was freed, so such losses do not add up."""
         if self.profiler is None:
             return
         self.profiler.stop()
-        alive = peak = 0
-        events = [e for e in self.profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            alive += event.nbytes()
+        alive, peak, blocks = 0, 0, {}
+        for ptr, size in sorted(allocations(self.profiler.profiler.kineto_results.experimental_event_tree())):
+            alive -= blocks.pop(ptr[1], 0)  # freed now, or (size > 0) freed unseen before this allocation
+            if size > 0:
+                blocks[ptr[1]] = size
+                alive += size
             peak = max(peak, alive)
         self.profiler, self.cpu_peak = None, peak
 
     def count(self, model, optimizer):
-        """After the first step (AdamW makes its state then): this rank's bytes, gathered from every rank."""
+        """This rank's bytes (and every rank's, gathered: every rank calls this), the gradients measured."""
         def size(t):
             t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
             return t.numel() * t.element_size()
+        self.stop()
         params = sum(size(p) for p in model.parameters())
-        mine = torch.tensor([params, params, sum(size(t) for st in optimizer.state.values()
-                                                 for t in st.values() if torch.is_tensor(t))], device=self.device)
+        after = [v for k, v in self.marks.items() if k.startswith("backward")]
+        grads = max(after) - self.marks["start"] if after and self.marks.get("start") is not None else 0
+        mine = torch.tensor([params, grads, sum(size(t) for st in optimizer.state.values()
+                                                for t in st.values() if torch.is_tensor(t))], device=self.device)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         names = ("param_bytes", "grad_bytes", "optimizer_bytes")
         self.counted = {**dict(zip(names, mine.tolist())),
                         "memory_per_rank": {n: [int(e[i]) for e in every] for i, n in enumerate(names)}}
-        print0(f"memory per rank: parameters {params / 2**20:.2f} MiB | gradients {params / 2**20:.2f} MiB | "
-               f"optimizer state {mine[2].item() / 2**20:.2f} MiB (rank 0's; all ranks: "
+        print0(f"memory per rank: parameters {params / 2**20:.2f} MiB | gradients {grads / 2**20:.2f} MiB "
+               f"(measured) | optimizer state {mine[2].item() / 2**20:.2f} MiB (rank 0's; all ranks: "
                f"{' + '.join(f'{int(e.sum()) / 2**20:.2f}' for e in every)} MiB)")
 
     def peak(self):
@@ -1460,7 +1552,16 @@ class Memory:
         if self.device.type != "cpu":
             return torch.accelerator.max_memory_allocated(self.device)
         self.stop()
-        return self.cpu_peak
+        return self.cpu_peak or 0
+
+
+def allocations(events):
+    """((time, address), bytes) of every allocation (bytes > 0) and free (< 0) in the profiler's event tree."""
+    for event in events:
+        fields = event.extra_fields
+        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
+            yield (event.start_time_ns, fields.ptr), fields.alloc_size
+        yield from allocations(event.children)
 
 
 # ---------------------------------------------------------------- main
@@ -1472,9 +1573,9 @@ def train(device, args, corpus, checkpoint):
                              "another Python version or file on another node? pass --data PATH on a "
                              "file system every node sees")
     config = model_config(args, vocab)
-    memory = Memory(device)  # its peak counts from here
+    memory = Memory(device, args.profile_memory)  # its peak counts from here
     # the whole model from the seed on every rank, then sharded: the same weights at any world size
-    model = shard(Transformer(**config).to(device), device, args)
+    model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
     trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
                       make_optimizer(model, args), device, args, checkpoint, memory)
     # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
@@ -1491,15 +1592,16 @@ def train(device, args, corpus, checkpoint):
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()
     val = trainer.validate()
-    whole = consolidated(model, config, device)
-    if args.sample and vocab and dist.get_rank() == 0:
-        text_out = generate(whole, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
-        say(f"sample ({args.sample} characters):\n{text_out}")
-    if args.export and dist.get_rank() == 0:  # what ddp_transformer.py's Transformer(**config) loads
-        save_checkpoint({"model": whole.state_dict(), "config": config, "vocab": vocab}, args.export)
-        say(f"exported the whole model to {args.export}")
-    # no parameter is replicated under FSDP: what is compared is the whole model every rank assembled
-    in_sync = replicas_in_sync(whole, device)
+    # from here on nothing is gathered whole: the sample runs the sharded model, --export streams one
+    # parameter at a time to rank 0's CPU, and the replica check reads each rank's shards where they are
+    if args.sample and vocab:  # every rank runs the forwards (each block all-gathered in turn); rank 0 prints
+        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
+        print0(f"sample ({args.sample} characters):\n{text_out}")
+        model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
+    if args.export:
+        export(model, {"config": config, "vocab": vocab}, args.export)
+    in_sync = replicas_in_sync(model, device)  # the shards tile the model; a fingerprint of them (harness)
+    trainer.memory.count(model, trainer.optimizer)  # the bytes, after everything: the peak is the whole run's
     report(trainer, history, epochs, (first_val, val, entropy), in_sync, args)
     return in_sync
 
@@ -1513,7 +1615,7 @@ def describe(trainer, name, entropy):
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
            f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
            f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
-           f" | sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "
+           f" | sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "  # PORT: your blocks
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
@@ -1557,8 +1659,8 @@ def report(trainer, history, epochs, losses, in_sync, args):
         print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
                f"{clock.first_step_s:.1f} s")
-    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
-           + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
+    window = "the whole run" if trainer.device.type != "cpu" or args.profile_memory else "first two steps"
+    print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors ({window})")
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
@@ -1973,10 +2075,16 @@ def stop_on_interrupt(checkpoint=None):
 
 def describe_checkpoint(path):
     """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
-    mmap: only the counter is read, not every tensor of a large checkpoint on the way out."""
+    mmap: only the counter is read, not every tensor of a large checkpoint on the way out. A folder
+    of sharded saves is described by its pointer, `latest.json` (JSON), which names the save that counts."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError):
+        if path and os.path.isdir(path):
+            with open(os.path.join(path, "latest.json"), encoding="utf-8") as f:
+                state = json.load(f)
+            path = os.path.join(path, str(state["folder"])) if isinstance(state, dict) else path
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError):
         state = None
     if not isinstance(state, dict):
         return "no checkpoint kept"
@@ -2166,26 +2274,69 @@ def release_ddp():
 
 
 def replicas_in_sync(model, device):
-    """True when every rank's parameters equal rank 0's, bit for bit.
+    """True when every rank's parameters equal those of the ranks that hold the same values, bit for bit.
 
-    Rank 0 broadcasts its parameters, every rank compares them with its own (torch.equal), and
-    the verdicts are gathered: exact, where sums of the weights can differ in the last bit
-    between GPU models, or coincide for different weights. The fingerprint printed (rank 0's
-    weighted sum of its parameters) only lets a reader tell runs apart.
+    One parameter at a time, so the check never holds more than one parameter's copy. A plain
+    parameter (DDP: every rank holds it whole) is broadcast by rank 0 and compared (torch.equal) on
+    every rank: exact, where sums of the weights can differ in the last bit between GPU models, or
+    coincide for different weights. A sharded one (FSDP2's DTensor) is compared only across the ranks
+    its mesh replicates it over (HSDP); where the mesh only shards, no rank holds another's values
+    and what is checked is that the shards tile the parameters (their sizes add up to the model's).
+    The fingerprint printed (the sum of x * sin(i) over the parameters, i each value's index in the
+    whole model; each value counted once, by its first holder) lets a reader tell runs apart, and is
+    the same, to rounding, whether the model is sharded or not. Nothing is gathered whole.
     """
-    same = True
+    same, base, whole = True, 0, 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
     for p in model.parameters():
-        theirs = p.detach().clone()
-        dist.broadcast(theirs, src=0)
-        same = same and torch.equal(theirs, p.detach())
+        local, offsets, first, groups = held_part(p.detach())
+        for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
+            theirs = local.clone()
+            dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            same = same and torch.equal(theirs, local)
+        if first:
+            sums[0] += fingerprint_terms(local, offsets, p.shape, base)
+            sums[1] += local.numel()
+        base, whole = base + p.numel(), whole + p.numel()
+    dist.all_reduce(sums)
+    same = same and int(sums[1].item()) == whole  # the shards tile the model, as this rank sees it
     verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
     differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
-    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
-    fingerprint = (flat * torch.sin(torch.arange(flat.numel(), device=flat.device, dtype=torch.float64))).sum()
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {fingerprint.item():.10e})")
+           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {sums[0].item():.10e})")
     return not differ
+
+
+def held_part(p):
+    """(this rank's part of parameter p, its offsets in p, whether this rank is its first holder, the
+    process groups of the ranks holding the same part: None is the whole world)."""
+    if not hasattr(p, "device_mesh"):  # a plain tensor: every rank holds all of it
+        return p, (0,) * p.dim(), dist.get_rank() == 0, [None]
+    mesh, chunk = p.device_mesh, p.__create_chunk_list__()[0]  # a DTensor: the mesh says who holds what
+    replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
+    first = all(mesh.get_coordinate()[i] == 0 for i in replicated)
+    return p.to_local(), tuple(chunk.offsets), first, [mesh.get_group(i) for i in replicated]
+
+
+def fingerprint_terms(local, offsets, shape, base, rows=4096):
+    """The sum of x * sin(base + i) over `local`, the block at `offsets` of a tensor of `shape`, i each
+    value's flat index in that tensor: in float64, a few rows at a time, never a copy of the whole."""
+    if local.numel() == 0:
+        return 0.0
+    if local.dim() == 0:  # a scalar parameter: one row of one value
+        local, offsets, shape = local.reshape(1), (0,), (1,)
+    strides = torch.empty(shape, device="meta").stride()
+    inner = torch.zeros((), dtype=torch.float64, device=local.device)  # the index within a row, by broadcasting
+    for d in range(1, local.dim()):
+        along = (offsets[d] + torch.arange(local.shape[d], device=local.device)) * strides[d]
+        inner = inner.unsqueeze(-1) + along.double()
+    total = torch.zeros((), dtype=torch.float64, device=local.device)
+    for start in range(0, local.shape[0], rows):
+        at = torch.arange(start, min(start + rows, local.shape[0]), device=local.device) + offsets[0]
+        index = (at.double() * strides[0] + base).view(-1, *(1,) * (local.dim() - 1)) + inner
+        total += (local[start:start + rows].double() * torch.sin(index)).sum()
+    return total
 
 
 def atomic_write(path, write):

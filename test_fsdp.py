@@ -107,7 +107,10 @@ def test_each_rank_holds_half_of_the_parameters_gradients_and_adam_state(world2)
     _, result, m = world2
     params, per_rank = m["params"], m["memory_per_rank"]
     # the shards add up to the model: 4 bytes a parameter, once over the ranks, not once per rank
-    assert sum(per_rank["param_bytes"]) == sum(per_rank["grad_bytes"]) == 4 * params, (per_rank, params)
+    assert sum(per_rank["param_bytes"]) == 4 * params, (per_rank, params)
+    # the gradients are measured (tensors alive after the backward, less before the forward): each rank's
+    # shards of them, exactly the bytes of its shards of the parameters
+    assert per_rank["grad_bytes"] == per_rank["param_bytes"], per_rank
     assert all(abs(b - 2 * params) < 0.05 * 2 * params for b in per_rank["param_bytes"]), per_rank
     # AdamW: two moments a parameter (plus one step counter per tensor)
     assert all(abs(o - 2 * p) < 2048 for o, p in zip(per_rank["optimizer_bytes"], per_rank["param_bytes"])), per_rank
@@ -388,3 +391,190 @@ def test_torchrun_restart_resumes_from_the_last_complete_save(tmp_path):
 def test_run_sh_fsdp_mode_passes(tmp_path):
     result = run_bounded(["bash", ROOT / "run.sh", "fsdp"], tmp_path, timeout=600)
     assert "1 passed, 0 failed" in result.stdout and "loads into ddp_transformer.Transformer" in result.stdout, result
+
+
+# ---------------------------------------------------------------- issue 33: nothing whole, measured, ported
+UNDER_PROFILER = '''"""Run argv[1:] as __main__ under torch.profiler's record of every CPU tensor allocation and
+free; write $ALLOC_OUT.<rank>.json: (time, address, bytes) of each, and the end of every optimizer step."""
+import json, os, runpy, sys
+import torch
+
+
+def walk(events):
+    for e in events:
+        yield e
+        yield from walk(e.children)
+
+
+prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+prof.start()
+sys.argv, code = sys.argv[1:], 0
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    code = e.code
+finally:
+    prof.stop()
+    allocs, steps = [], []
+    for e in walk(prof.profiler.kineto_results.experimental_event_tree()):
+        f = e.extra_fields
+        if hasattr(f, "alloc_size") and hasattr(f, "ptr"):
+            allocs.append((e.start_time_ns, f.ptr, f.alloc_size))
+        elif e.name.startswith("Optimizer.step#"):
+            steps.append(e.end_time_ns)
+    with open(f"{os.environ['ALLOC_OUT']}.{os.environ['RANK']}.json", "w") as out:
+        json.dump({"allocs": sorted(allocs), "steps": sorted(steps)}, out)
+sys.exit(code)
+'''
+
+
+def alive_over_time(record):
+    """(peak bytes alive up to the end of the last step, the peak after it, the largest allocation up to the
+    end of the last step, the largest after it): the running total by address (a free the profiler did not
+    see, on another thread, shows as a new allocation at the same address)."""
+    alive, blocks, peak, largest = 0, {}, [0, 0], [0, 0]
+    for t, ptr, size in record["allocs"]:
+        after = int(t > record["steps"][-1])
+        alive -= blocks.pop(ptr, 0)
+        if size > 0:
+            blocks[ptr], alive, largest[after] = size, alive + size, max(largest[after], size)
+        peak[after] = max(peak[after], alive)
+    return (*peak, *largest)
+
+
+@pytest.mark.slow
+def test_the_whole_job_holds_nothing_whole_and_measures_its_gradients(tmp_path):
+    """Issue 33: the whole FSDP2 job (training with accumulation, saves, the sample, --export, the replica
+    check, the exit) at world 2 under an allocation record. After the last step no rank holds more bytes of
+    tensors than while training, nor allocates a bigger tensor (a block all-gathered for the sample; one
+    parameter for --export and the replica check); no allocation of the run is the model's size. The
+    gradient bytes reported equal the model's (whole, unsharded, between micro-batches) under --grad_accum 2,
+    and each rank's shard with --accumulate sharded."""
+    (tmp_path / "under_profiler.py").write_text(UNDER_PROFILER)
+    sizes = ["--d_model", 192, "--batch_size", 4, "--block_size", 64]
+    cmd = [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", "under_profiler.py", SCRIPT, "--device", "cpu",
+           *sizes, "--max_steps", 4, "--grad_accum", 2, "--save_every_steps", 2, "--sample", 20,
+           "--export", "whole.pt", "--metrics", "m.json", "--log_every", 1]
+    result = run_bounded(cmd, tmp_path, timeout=400, env=cpu_env(ALLOC_OUT=tmp_path / "alloc"))
+    m = json.loads((tmp_path / "m.json").read_text())
+    with torch.device("meta"):
+        model = fsdp_transformer.Transformer(**m_config(tmp_path))
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert whole == 4 * m["params"] and "replicas: in sync" in result.stdout and (tmp_path / "whole.pt").exists()
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"alloc.{rank}.json").read_text())
+        assert len(record["steps"]) == 4, record["steps"]
+        train, after, largest_train, largest_after = alive_over_time(record)
+        assert after <= train, (rank, after, train)
+        assert largest_after <= largest_train < whole, (rank, largest_after, largest_train, whole)
+    # under --grad_accum 2 (unsharded) every rank held the whole model's gradients between the micro-batches
+    assert m["memory_per_rank"]["grad_bytes"] == [whole, whole], (m["memory_per_rank"], whole)
+    sharded = run_bounded(torchrun2("--device", "cpu", *sizes, "--max_steps", 2, "--grad_accum", 2, "--sample", 0,
+                                    "--accumulate", "sharded", "--metrics", "s.json", "--checkpoint", "s"),
+                          tmp_path, timeout=300)
+    s = json.loads((tmp_path / "s.json").read_text())["memory_per_rank"]
+    assert s["grad_bytes"] == s["param_bytes"] and sum(s["grad_bytes"]) == whole, (s, sharded.stdout[-2000:])
+
+
+def m_config(work):
+    return json.loads((work / "fsdp_transformer_ckpt" / "latest.json").read_text())["config"]
+
+
+MIXER = '''
+
+class MixerBlock(nn.Module):
+    """Each position sees the mean of the positions up to it: causal, and no attention."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d_model), nn.Linear(2 * d_model, 2 * d_model), \\
+            nn.Linear(2 * d_model, d_model)
+
+    def forward(self, x):
+        h = self.norm(x)
+        mean = h.cumsum(1) / torch.arange(1, h.size(1) + 1, device=h.device).view(1, -1, 1)
+        return x + self.fc2(F.relu(self.fc1(torch.cat([h, mean], -1))))
+
+
+class CharMixer(nn.Module):
+    def __init__(self, vocab_size, d_model, num_layers, max_len):
+        super().__init__()
+        self.max_len, self.embedding = max_len, nn.Embedding(vocab_size, d_model)
+        self.layers = nn.ModuleList([MixerBlock(d_model) for _ in range(num_layers)])
+        self.norm, self.out = nn.LayerNorm(d_model), nn.Linear(d_model, vocab_size, bias=False)
+        self.out.weight = self.embedding.weight  # tied: one parameter, left to the root with both modules
+
+    def forward(self, x):
+        x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(self.norm(x))
+
+
+def model_config(args, vocab):  # PORT'''
+
+
+def port_mixer(source):
+    """docs/fsdp.md's "Port your own model", followed: the model, its config, the context length in
+    generate(); the flags left as they were (the ones the new model ignores are refused)."""
+    text = source.replace("\n\ndef model_config(args, vocab):  # PORT", MIXER, 1)
+    text = text.replace("Transformer(**config)", "CharMixer(**config)")
+    start = text.index("    return {\"vocab_size\": len(vocab) if vocab else 100,")
+    end = text.index("\n\n", start)
+    text = text[:start] + ('    return {"vocab_size": len(vocab) if vocab else 100, "d_model": args.d_model, '
+                           '"num_layers": args.num_layers, "max_len": args.block_size}') + text[end:]
+    return text.replace("model.pos_encoding.max_len", "model.max_len")
+
+
+@pytest.mark.slow
+def test_a_ported_copy_trains_and_resumes_at_another_world_size(tmp_path):
+    """Issue 33: a copy with another model (tied embeddings, no attention), made as docs/fsdp.md says, trains
+    at 2 processes into its own checkpoint folder (mine_ckpt) and resumes at 1; a flag its model ignores is
+    one error line."""
+    source = (ROOT / "fsdp_transformer.py").read_text()
+    assert source.count("Transformer(**config)") == 2 and source.count("# PORT") >= 8
+    mine = tmp_path / "mine.py"
+    mine.write_text(port_mixer(source))
+    cmd = lambda n, *args: [*torchrun_cmd(), "--standalone", f"--nproc-per-node={n}", mine, "--device", "cpu",
+                            "--sample", 20, "--log_every", 2, *map(str, args)]
+    first = run_bounded(cmd(2, "--max_steps", 6, "--metrics", "a.json"), tmp_path, timeout=300)
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert (tmp_path / "mine_ckpt" / "latest.json").exists() and not (tmp_path / "fsdp_transformer_ckpt").exists()
+    assert a["val_loss"] < a["first_val_loss"] and a["replicas_in_sync"] is True, first.stdout[-2000:]
+    second = run_bounded(cmd(1, "--max_steps", 10, "--resume", "--metrics", "b.json"), tmp_path, timeout=300)
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["world_size"] == 1 and b["steps"] == 4 and b["global_batch"] == a["global_batch"], b
+    assert "resuming from mine_ckpt at epoch 0, step 6" in second.stdout and b["replicas_in_sync"] is True
+    refused = run_bounded([sys.executable, mine, "--device", "cpu", "--num_heads", 2], tmp_path, check=False)
+    errors = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and errors == ["error: --num_heads is not used by this script's model "
+                                                  "(model_config does not read it) (drop --num_heads)"], str(refused)
+
+
+@pytest.mark.parametrize("module", [ddp_transformer, fsdp_transformer], ids=["ddp", "fsdp"])
+def test_a_resume_that_changes_the_schedule_says_so(module, capsys):
+    """Issue 33: resumed with a larger --max_steps, the schedule stretches and the rate climbs back up:
+    one line says so and names --lr_decay_steps; the same length says nothing."""
+    args = module.fill_defaults(module.parse_args(["--device", "cpu", "--checkpoint", "none"]))
+    module.note_schedule(60, 60, 60, args)
+    module.note_schedule(None, 120, 60, args)  # a checkpoint from before the length was saved
+    assert capsys.readouterr().out == ""
+    module.note_schedule(60, 120, 60, args)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"note: the learning-rate schedule is now 120 steps long, the checkpoint's was 60: at step 60 "
+                     f"the rate is {module.lr_at(60, 120, args):.2e} instead of {module.lr_at(60, 60, args):.2e} "
+                     f"(pass --lr_decay_steps 60 to keep the checkpoint's schedule)"], lines
+    assert module.lr_at(60, 120, args) > 3 * module.lr_at(60, 60, args)  # what the line warns of
+
+
+def test_a_model_flag_the_model_does_not_read_is_refused(monkeypatch, capsys):
+    """Issue 33: a port whose model_config no longer reads --num_heads refuses it (one line); unpassed, fine."""
+    monkeypatch.setattr(fsdp_transformer, "model_config", lambda args, vocab: {"d_model": args.d_model})
+    args = fsdp_transformer.fill_defaults(fsdp_transformer.parse_args(["--d_model", "64"]))
+    fsdp_transformer.refuse_ignored_model_flags(args)
+    args = fsdp_transformer.fill_defaults(fsdp_transformer.parse_args(["--num_heads", "2", "--d_ff", "8"]))
+    with pytest.raises(SystemExit) as exited:
+        fsdp_transformer.refuse_ignored_model_flags(args)
+    assert exited.value.code == 2 and capsys.readouterr().err == \
+        "error: --num_heads, --d_ff are not used by this script's model (model_config does not read them) " \
+        "(drop --num_heads --d_ff)\n"

@@ -303,6 +303,8 @@ def _gloo_pair_worker(rank, world, port, batch, steps, out):
         with open(f"{out}.{rank}", "w") as f:
             f.write(" ".join(map(str, checks)))
         del model
+        with open(f"{out}.fsdp.{rank}", "w") as f:
+            f.write(" ".join(map(str, fsdp_replica_checks(rank, replicas_in_sync))))
         try:
             accumulation_check(rank, world, k=3)
             verdict = "ok"
@@ -313,6 +315,46 @@ def _gloo_pair_worker(rank, world, port, batch, steps, out):
     finally:
         gc.collect()  # free DDP's reducer before the group (see cleanup() in the scripts)
         dist.destroy_process_group()
+
+
+def fsdp_replica_checks(rank, replicas_in_sync):
+    """The replica check on FSDP2 models (issue 33), nothing gathered: on a 1-D mesh (every rank its own
+    shards) the fingerprint equals the unsharded model's and moves when one rank's shard does; on HSDP's
+    2-D mesh (replicated over 2, sharded over 1) a value moved on rank 1 is found."""
+    import contextlib
+    import io
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def checked(model):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            verdict = replicas_in_sync(model, torch.device("cpu"))
+        return verdict, printed.getvalue().strip()
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7))  # 3 rows: split 2 + 1
+    whole = checked(build())  # every rank all of it: the same values everywhere
+    sharded = fully_shard(build(), mesh=init_device_mesh("cpu", (2,)))
+    results = [whole[0], checked(sharded)]
+    with torch.no_grad():
+        if rank == 1:
+            sharded[0].weight.to_local()[0, 0] += 1e-6
+    results.append(checked(sharded))
+    hsdp = fully_shard(build(), mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
+    results.append(checked(hsdp)[0])
+    with torch.no_grad():
+        if rank == 1:
+            hsdp[1].weight.to_local()[2, 1] += 1e-6
+    results.append(checked(hsdp)[0])
+    if rank:  # rank 0 prints
+        return [results[0], results[1][0], results[2][0], results[3], results[4]]
+    fingerprint = lambda line: float(line.rsplit("fingerprint ", 1)[1].rstrip(")"))
+    # the unsharded fingerprint, to rounding; moved by one shard's 1e-6 (weighted by a sine of order 1)
+    same = abs(fingerprint(results[1][1]) - fingerprint(whole[1])) < 1e-12
+    moved = abs(fingerprint(results[2][1]) - fingerprint(whole[1])) > 1e-8
+    return [results[0], results[1][0], same, results[2][0], moved, results[3], results[4]]
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +388,12 @@ def test_replica_check_detects_one_differing_weight(gloo_pair):
     # in sync after DDP's steps; DIFFER once one weight moved by 1e-6, on every rank; still DIFFER
     # next to a weight of 1e30, where sums of the weights (the check before issue 17) agree
     assert verdicts == {"True False False True"}, verdicts
+    # FSDP2 (issue 33): the fingerprint of the shards equals the whole model's, and moves with one shard's
+    # value (rank 0 prints it); HSDP's replicas are compared, a value moved on one of them is found
+    fsdp = [open(f"{out}.fsdp.{r}").read() for r in (0, 1)]
+    # verdicts: whole, sharded, (rank 0: fingerprint the whole's), sharded after one shard moved (a 1-D mesh
+    # has no copy to compare), (rank 0: fingerprint moved), HSDP, HSDP after one replica moved
+    assert fsdp == ["True True True True True True False", "True True True True False"], fsdp
 
 
 # ---------------------------------------------------------------- DistributedSampler
