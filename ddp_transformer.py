@@ -76,6 +76,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, DistributedSampler
 
+STARTED = time.perf_counter()  # the script's start (torch imported): --time_budget's clock counts from here
+
 # The default corpus: modules every CPython ships, read in this order, cut at a size
 # whose default run takes seconds on a 2-core CPU.
 STDLIB_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "queue.py",
@@ -87,6 +89,12 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
+# --preset cpu10: the best validation loss found for 10 minutes of wall clock on a 2-core CPU at 2 processes
+# (how it was chosen, and what it reached: docs/ten_minutes.md). A wall-clock budget ends it in time on a
+# slower or busier machine too, with fewer steps: the budget leaves a minute for start-up and validation.
+PRESETS = {"cpu10": {"time_budget": 540, "d_model": 192, "num_layers": 4, "num_heads": 4, "block_size": 128,
+                     "batch_size": 16, "lr": 2e-3, "warmup": 0.05, "dropout": 0.1, "amp": "bf16",
+                     "log_every": 200, "sample": 300}}
 # What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 
@@ -101,10 +109,24 @@ def parse_args(argv=None):
     add_model_args(p)
     add_run_args(p)
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
+    # a preset is a set of defaults: the flags passed beside it still win
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        p.set_defaults(**PRESETS[preset])
     return p.parse_args(argv)
 
 
 def add_length_args(p):
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a recipe chosen by measurement, as defaults that the flags passed beside it override; "
+                        "cpu10: the best validation loss in 10 minutes of wall clock on a 2-core CPU at 2 "
+                        "processes (" + ", ".join(f"--{k} {v}" for k, v in PRESETS["cpu10"].items()) + ")")
+    p.add_argument("--time_budget", type=float, default=None, metavar="SECONDS",
+                   help="stop training SECONDS of wall clock after the script started (the final validation "
+                        "and sample follow; the ranks agree on the slowest clock), with the learning rate's warmup "
+                        "and decay following the share of it spent; --max_steps or --epochs end it first if "
+                        "given. The steps a budget buys depend on the machine's speed and load, so such a run, "
+                        "or its resume (which carries the seconds spent on), is not repeatable step for step")
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
                         "on text unless --epochs is given, whatever the text's length and the world "
@@ -212,7 +234,7 @@ def fill_defaults(args):
         args.optimizer = "sgd" if toy else "adamw"
     if args.lr is None:
         args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
-    if args.epochs is None and args.max_steps is None:
+    if args.epochs is None and args.max_steps is None and not args.time_budget:
         args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
     return args
 
@@ -220,7 +242,7 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
-    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+    check_positive(args, "max_steps", "epochs", "time_budget", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
                    "d_model", "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout", "peak_tflops")
     for name in ("eval_every", "log_every", "sample", "save_every_steps"):
         if getattr(args, name) < 0:
@@ -328,23 +350,43 @@ def unigram_entropy(text):
 
 
 class Windows(Dataset):
-    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens: window i is
-    tokens[i*block : i*block + block + 1], whose last token is window i+1's first input.
+    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
+    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
+    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
+    that over the epochs every position starts a window and the model sees each stretch of text
+    under other contexts, instead of the same blocks at the same places epoch after epoch; the
+    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
 
-    `Tensor.unfold` makes them a view of the tokens (no copy). Indexing with a tensor of window
-    indices returns a whole batch `(inputs, targets)` by one gather, so no DataLoader (and no
-    per-sample Python) sits in the step.
+    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
+    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
+    DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
-        self.rows = tokens.unfold(0, block + 1, block)
+        self.starts = tokens.unfold(0, block + 1, 1)  # row s: tokens[s : s + block + 1]
+        self.block, self.count, self.offset = block, (len(tokens) - 1) // block, 0
+
+    def shift(self, offset):
+        """Start the grid at `offset` (0 to block - 1): the same window i on every rank that shifts alike."""
+        self.offset = offset
 
     def __len__(self):
-        return len(self.rows)
+        return self.count
 
     def __getitem__(self, index):
-        rows = self.rows[torch.as_tensor(index, device=self.rows.device)]
+        index = torch.as_tensor(index, device=self.starts.device)
+        rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
         return rows[..., :-1], rows[..., 1:]
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
+    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once."""
+    cycle, place = divmod(epoch, block)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + cycle)
+    return int(torch.randperm(block, generator=generator)[place])
 
 
 class NLPDataset(Dataset):
@@ -352,6 +394,9 @@ class NLPDataset(Dataset):
 
     def __init__(self, size, length, device="cpu"):
         self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def shift(self, offset):
+        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
 
     def __len__(self):
         return len(self.data)
@@ -587,6 +632,14 @@ def lr_at(step, total, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def lr_at_share(share, args):
+    """--time_budget's schedule: lr_at's warmup and cosine, along the share of the budget spent."""
+    if share < args.warmup:
+        return args.lr * max(share, 1e-4) / args.warmup
+    progress = min(1.0, (share - args.warmup) / (1 - args.warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def autocast(amp, device):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
@@ -745,8 +798,11 @@ def global_mean(loss_sum, count, device):
 
 
 def run_length(steps_per_epoch, args):
-    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
+    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first
+    (neither, under --time_budget alone: no limit but the clock's)."""
     total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
+    if total == math.inf:
+        return sys.maxsize, sys.maxsize
     return total, math.ceil(total / steps_per_epoch)
 
 
@@ -769,6 +825,7 @@ class Trainer:
         self.amp = autocast(args.amp, device)
         # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
         self.epochs_run, self.windows_in_epoch, self.step = 0, 0, 0
+        self.spent_before, self.share = 0.0, 0.0  # --time_budget: seconds spent by the runs before, share spent
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.ddp = wrap(model, device, args)
@@ -797,6 +854,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])  # a no-op when --amp is not fp16
         self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
         self.step = state["step"]
+        self.spent_before = state.get("budget_spent_s", 0.0)  # --time_budget's seconds, carried on
 
     def _save_checkpoint(self, epoch):
         """The position in global units, the windows of the epoch's order trained and the global batch
@@ -808,7 +866,8 @@ class Trainer:
                              "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                             "global_batch": self.global_batch, "batch_size": self.args.batch_size},
+                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                             "budget_spent_s": self.spent_before + self.clock.since_start()},
                             self.args.checkpoint)  # save_checkpoint adds the world size and the job
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
@@ -821,9 +880,21 @@ class Trainer:
         dist.all_reduce(totals)
         return (totals[0] / totals[1]).item()
 
+    def out_of_time(self):
+        """--time_budget: whether it is spent, after setting self.share, the share spent. The ranks' clocks
+        differ a little, so they agree on the slowest one's (an all-reduce of a number a step), or they
+        would use different learning rates and stop at different steps."""
+        if not self.args.time_budget:
+            return False
+        spent = torch.tensor([self.spent_before + self.clock.since_start()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        self.share = spent.item() / self.args.time_budget
+        return self.share >= 1
+
     def _run_step(self, micro_batches, step_windows):
+        lr = lr_at_share(self.share, self.args) if self.args.time_budget else lr_at(self.step, self.schedule, self.args)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.schedule, self.args)
+            group["lr"] = lr
         step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
         torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
         loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
@@ -840,20 +911,27 @@ class Trainer:
         if args.log_every and step % args.log_every == 0:
             loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
             self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
-            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+            print0(f"step {self.where()} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
                    + self.clock.mfu_since_mark())
         if args.eval_every and step % args.eval_every == 0 and step < self.total:
             start = time.perf_counter()
-            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
+            print0(f"step {self.where()} | validation loss {self.validate():.4f}")
             self.clock.left_out(time.perf_counter() - start)
+
+    def where(self):
+        """`120/600`, or under --time_budget alone `120 (41% of 540 s)`."""
+        if self.total == sys.maxsize:
+            return f"{self.step} ({self.share:.0%} of {self.args.time_budget:g} s)"
+        return f"{self.step}/{self.total}"
 
     def _run_epoch(self, epoch):
         """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
         n, g = len(self.train_set), self.global_batch
         self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
         loss_sum, count = torch.zeros((), device=self.device), 0
         for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
-            if self.step >= self.total:
+            if self.step >= self.total or self.out_of_time():
                 break
             micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
             step_sum, tokens = self._run_step(micro_batches, step_windows)
@@ -870,7 +948,7 @@ class Trainer:
         history, ended = [], self.epochs_run
         self.clock.start()
         for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total:
+            if self.step >= self.total or self.share >= 1:
                 break
             start, since = time.perf_counter(), self.clock.reading()
             loss, done, windows = self._run_epoch(epoch)
@@ -879,7 +957,7 @@ class Trainer:
             self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
             ended = epoch + 1
             self._save_checkpoint(epoch)
-            print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
+            print0(f"epoch {epoch + 1}{f'/{self.epochs}' if self.epochs < sys.maxsize else ''} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
                    f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
                    f"checkpoint {self.args.checkpoint}")
             self.windows_in_epoch = 0  # the next epoch starts at its beginning
@@ -906,6 +984,11 @@ class Throughput:
         if self.compiling:  # otherwise the first step is a minute of silence
             print0(f"compiling: the first step compiles the model before it trains ({COMPILE_TIME}); "
                    "tokens/s and MFU leave it out")
+
+    def since_start(self):
+        """Wall-clock seconds since the script started, start-up, evaluations and checkpoints in:
+        --time_budget's clock."""
+        return time.perf_counter() - STARTED
 
     def stepped(self, step_tokens):
         """After each optimizer step: the first one starts the clock, the others count their tokens."""
@@ -1056,6 +1139,8 @@ def train(device, args, corpus, checkpoint):
     by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
     nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
                                     else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
+    if args.time_budget:
+        nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", args.time_budget)
     first_val = trainer.validate()
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()
@@ -1077,8 +1162,11 @@ def describe(trainer, name, entropy):
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
            f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
            f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
-           f"{' | compiled' if args.compile else ''} | {trainer.total} steps = "
-           f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
+           f"{' | compiled' if args.compile else ''} | "
+           + (f"{trainer.total} steps = {trainer.total / trainer.steps_per_epoch:.2f} epochs"
+              + (f" (or {args.time_budget:g} s of training)" if args.time_budget else "")
+              if trainer.total < sys.maxsize else f"{args.time_budget:g} s of training in epochs")
+           + f" of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
     peak = trainer.clock.peak

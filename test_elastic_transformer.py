@@ -145,6 +145,81 @@ def test_windows_are_the_slices_they_were():
         assert x.shape == (2, block) and torch.equal(x[1], windows[0][0]) and torch.equal(y[0], windows[last][1])
 
 
+def test_each_epoch_shifts_the_grid_so_every_position_starts_a_window():
+    """Epoch e cuts its windows from offset window_offset(seed, e, T): over T epochs the offsets are 0 .. T-1,
+    so every position that can start a window does; each epoch still has (len - 1) // T windows of T + 1
+    tokens inside the text, consecutive ones sharing a token, a shifted-out last window the text's last."""
+    for length, block in ((1000, 32), (129, 8), (65, 64), (10, 1)):
+        tokens = torch.arange(length)  # token = its position: a window's first token is where it starts
+        windows = ddp_transformer.Windows(tokens, block)
+        for seed in (0, 7):
+            offsets = [ddp_transformer.window_offset(seed, e, block) for e in range(3 * block)]
+            assert all(sorted(offsets[c * block:(c + 1) * block]) == list(range(block)) for c in range(3))
+            starts = set()
+            for e, offset in enumerate(offsets[:block]):
+                windows.shift(offset)
+                x, y = windows[torch.arange(len(windows))]
+                assert len(windows) == (length - 1) // block and x.shape == y.shape == (len(windows), block)
+                assert torch.equal(y[:, :-1], x[:, 1:]) and int(y.max()) <= length - 1  # targets: the next tokens
+                expected = [min(offset + i * block, length - block - 1) for i in range(len(windows))]
+                assert x[:, 0].tolist() == expected, (length, block, seed, e)
+                starts.update(expected)
+            assert starts == set(range(length - block)), (length, block, seed)
+        assert offsets != [ddp_transformer.window_offset(0, e, block) for e in range(3 * block)] or block == 1
+    windows.shift(0)  # the grid at 0 is the one before shifting: window i = tokens[i T : i T + T + 1]
+    assert torch.equal(windows[3][0], tokens[3:4])
+
+
+def test_shifted_windows_are_the_same_batches_at_any_world_size_and_after_a_resume():
+    """The offset is a function of (seed, epoch) alone: step s of an epoch trains the same text at world 1, 2
+    and 4, and a run resumed mid-epoch (epoch_steps from step `first`) trains what an uninterrupted one would."""
+    tokens = torch.arange(8870)  # test_elastic's text: 249 windows of 32, a global batch of 16
+    block, global_batch = 32, 16
+    n = (len(tokens) - 1) // block
+
+    def text_of_steps(world, epoch, first=0, seed=0):
+        windows = ddp_transformer.Windows(tokens, block)
+        windows.shift(ddp_transformer.window_offset(seed, epoch, block))  # as _run_epoch does, on every rank
+        steps = steps_at(world, n, global_batch, epoch, first, seed)
+        return {s: sorted(windows[torch.tensor(w)][0][:, 0].tolist()) for s, (w, _) in steps.items()}
+
+    for epoch in (0, 1, 5):
+        one = text_of_steps(1, epoch)
+        assert len(one) == math.ceil(n / global_batch)
+        assert any(start % block for starts in one.values() for start in starts) or epoch == 0 and \
+            ddp_transformer.window_offset(0, 0, block) == 0
+        for world in (2, 4):
+            assert text_of_steps(world, epoch) == one, (world, epoch)
+            resumed = text_of_steps(world, epoch, first=5)
+            assert resumed == {s: one[s] for s in range(5, len(one))}, (world, epoch)
+    assert text_of_steps(2, 1) != text_of_steps(2, 2)  # another epoch: another grid (and order)
+
+
+def test_preset_cpu10_is_the_documented_recipe():
+    """--preset cpu10 fills the settings it lists (a time budget, no step count) and a flag passed beside it
+    wins; the README's one command is the preset's, and its help names every setting."""
+    recipe = ddp_transformer.PRESETS["cpu10"]
+    args = ddp_transformer.fill_defaults(ddp_transformer.parse_args(["--preset", "cpu10", "--data", "x.txt"]))
+    assert {k: getattr(args, k) for k in recipe} == recipe
+    assert args.max_steps is None and args.epochs is None and args.time_budget == recipe["time_budget"] <= 540
+    assert ddp_transformer.run_length(100, args) == (sys.maxsize, sys.maxsize)  # only the clock ends it
+    mine = ddp_transformer.fill_defaults(ddp_transformer.parse_args(["--preset", "cpu10", "--d_model", "64",
+                                                                     "--max_steps", "30"]))
+    assert (mine.d_model, mine.num_layers, mine.max_steps) == (64, recipe["num_layers"], 30)
+    assert ddp_transformer.run_length(100, mine) == (30, 1)
+    plain = ddp_transformer.fill_defaults(ddp_transformer.parse_args([]))  # no preset: today's defaults
+    assert (plain.d_model, plain.block_size, plain.time_budget, plain.max_steps) == (128, 128, None, 60)
+    readme = (ROOT / "README.md").read_text()
+    assert "ddp_transformer.py --device cpu --data" in readme and "--preset cpu10" in readme
+    # the warmup and cosine along the budget: up to lr, then down to a tenth of it at the end
+    share = [i / 100 for i in range(101)]
+    lr = [ddp_transformer.lr_at_share(x, args) for x in share]
+    peak = lr.index(max(lr))
+    assert share[peak] == args.warmup and lr[peak] == pytest.approx(args.lr)
+    assert lr[:peak] == sorted(lr[:peak]) and lr[peak:] == sorted(lr[peak:], reverse=True)
+    assert lr[-1] == pytest.approx(args.lr / 10) and 0 < lr[0] < args.lr / 10
+
+
 def test_peak_table_by_device_name_and_precision():
     """Dense peaks (TFLOP/s) by the names torch.cuda.get_device_name reports; none for what the table lacks."""
     peak = ddp_transformer.peak_of
