@@ -24,12 +24,18 @@ Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_transformer.py --peak_tflops 989       # MFU against your peak
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --compile      # torch.compile + DDP
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --dataset toy  # the seed's run
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_transformer.py --device cpu \\
+        --data input.txt --preset cpu10      # the best model 10 minutes buy on a 2-core CPU
 
 How long it trains: `--max_steps` optimizer steps (as nanoGPT's max_iters), the same
 number whatever the text's length and the world size; `--epochs N` trains whole epochs
 instead (given both, whichever ends first). One step sees batch x grad_accum x world
 windows, so more ranks see more text in the same steps; the `model:` line says how many
 epochs of this text the steps make. The learning-rate warmup and decay are in steps too.
+`--time_budget SECONDS` ends the run by the clock instead, its warmup and decay spread over the
+seconds (`--preset cpu10` does: the recipe, and why a budget of time, in docs/ten_minutes.md).
+Each epoch cuts its training windows from another offset (window_offset), so that over the
+epochs every character starts a window, the same windows at any world size and on resume.
 
 torch.compile with DDP (`--compile`): wrap first, then compile, `torch.compile(DDP(model))`,
 as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at DDP's
@@ -121,12 +127,13 @@ def add_length_args(p):
                    help="a recipe chosen by measurement, as defaults that the flags passed beside it override; "
                         "cpu10: the best validation loss in 10 minutes of wall clock on a 2-core CPU at 2 "
                         "processes (" + ", ".join(f"--{k} {v}" for k, v in PRESETS["cpu10"].items()) + ")")
-    p.add_argument("--time_budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--time_budget", type=float, default=0, metavar="SECONDS",
                    help="stop training SECONDS of wall clock after the script started (the final validation "
                         "and sample follow; the ranks agree on the slowest clock), with the learning rate's warmup "
-                        "and decay following the share of it spent; --max_steps or --epochs end it first if "
-                        "given. The steps a budget buys depend on the machine's speed and load, so such a run, "
-                        "or its resume (which carries the seconds spent on), is not repeatable step for step")
+                        "and decay spread over the seconds from the first step to the end; --max_steps or --epochs "
+                        "end it first if given. The steps a budget buys depend on the machine's speed and load, so such a run, "
+                        "or its resume (which carries the seconds spent on), is not repeatable step for step; "
+                        "0: no budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
                         "on text unless --epochs is given, whatever the text's length and the world "
@@ -242,9 +249,9 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
-    check_positive(args, "max_steps", "epochs", "time_budget", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
                    "d_model", "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout", "peak_tflops")
-    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
+    for name in ("eval_every", "log_every", "sample", "save_every_steps", "time_budget"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
     if args.d_model % 2 or args.d_model % args.num_heads:
@@ -825,7 +832,9 @@ class Trainer:
         self.amp = autocast(args.amp, device)
         # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
         self.epochs_run, self.windows_in_epoch, self.step = 0, 0, 0
-        self.spent_before, self.share = 0.0, 0.0  # --time_budget: seconds spent by the runs before, share spent
+        # --time_budget: seconds spent by the runs before this one, the clock at the first step, the clock now,
+        # and the share of the schedule done (its warmup and decay span the seconds from the first step on)
+        self.spent_before, self.budget_from, self.spent, self.share = 0.0, None, 0.0, 0.0
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.ddp = wrap(model, device, args)
@@ -855,6 +864,7 @@ class Trainer:
         self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
         self.step = state["step"]
         self.spent_before = state.get("budget_spent_s", 0.0)  # --time_budget's seconds, carried on
+        self.budget_from = state.get("budget_from_s")
 
     def _save_checkpoint(self, epoch):
         """The position in global units, the windows of the epoch's order trained and the global batch
@@ -867,7 +877,8 @@ class Trainer:
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                              "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                             "budget_spent_s": self.spent_before + self.clock.since_start()},
+                             "budget_spent_s": self.spent_before + self.clock.since_start(),
+                             "budget_from_s": self.budget_from},
                             self.args.checkpoint)  # save_checkpoint adds the world size and the job
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
@@ -881,15 +892,19 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def out_of_time(self):
-        """--time_budget: whether it is spent, after setting self.share, the share spent. The ranks' clocks
-        differ a little, so they agree on the slowest one's (an all-reduce of a number a step), or they
-        would use different learning rates and stop at different steps."""
+        """--time_budget: whether it is spent. The ranks' clocks differ a little, so they agree on the
+        slowest one's (an all-reduce of one number a step), or they would use different learning rates
+        and stop at different steps. The schedule spans the seconds from the first step to the end:
+        start-up and the first validation take nothing from its warmup."""
         if not self.args.time_budget:
             return False
         spent = torch.tensor([self.spent_before + self.clock.since_start()], dtype=torch.float64, device=self.device)
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-        self.share = spent.item() / self.args.time_budget
-        return self.share >= 1
+        self.spent = spent.item()
+        if self.budget_from is None:
+            self.budget_from = self.spent
+        self.share = (self.spent - self.budget_from) / max(self.args.time_budget - self.budget_from, 1e-9)
+        return self.spent >= self.args.time_budget
 
     def _run_step(self, micro_batches, step_windows):
         lr = lr_at_share(self.share, self.args) if self.args.time_budget else lr_at(self.step, self.schedule, self.args)
@@ -919,9 +934,9 @@ class Trainer:
             self.clock.left_out(time.perf_counter() - start)
 
     def where(self):
-        """`120/600`, or under --time_budget alone `120 (41% of 540 s)`."""
+        """`120/600`, or under --time_budget alone `120 (at 231/540 s)`."""
         if self.total == sys.maxsize:
-            return f"{self.step} ({self.share:.0%} of {self.args.time_budget:g} s)"
+            return f"{self.step} (at {self.spent:.0f}/{self.args.time_budget:g} s)"
         return f"{self.step}/{self.total}"
 
     def _run_epoch(self, epoch):
@@ -948,7 +963,7 @@ class Trainer:
         history, ended = [], self.epochs_run
         self.clock.start()
         for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total or self.share >= 1:
+            if self.step >= self.total or self.args.time_budget and self.spent >= self.args.time_budget:
                 break
             start, since = time.perf_counter(), self.clock.reading()
             loss, done, windows = self._run_epoch(epoch)
@@ -1140,7 +1155,8 @@ def train(device, args, corpus, checkpoint):
     nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
                                     else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
     if args.time_budget:
-        nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", args.time_budget)
+        budget = int(args.time_budget) if args.time_budget.is_integer() else args.time_budget  # `540`, not `540.0`
+        nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", budget)
     first_val = trainer.validate()
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()

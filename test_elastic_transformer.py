@@ -208,7 +208,7 @@ def test_preset_cpu10_is_the_documented_recipe():
     assert (mine.d_model, mine.num_layers, mine.max_steps) == (64, recipe["num_layers"], 30)
     assert ddp_transformer.run_length(100, mine) == (30, 1)
     plain = ddp_transformer.fill_defaults(ddp_transformer.parse_args([]))  # no preset: today's defaults
-    assert (plain.d_model, plain.block_size, plain.time_budget, plain.max_steps) == (128, 128, None, 60)
+    assert (plain.d_model, plain.block_size, plain.time_budget, plain.max_steps) == (128, 128, 0, 60)
     readme = (ROOT / "README.md").read_text()
     assert "ddp_transformer.py --device cpu --data" in readme and "--preset cpu10" in readme
     # the warmup and cosine along the budget: up to lr, then down to a tenth of it at the end
@@ -413,3 +413,28 @@ def test_ranks_that_resumed_at_different_steps_are_one_error_line(elastic):
                       "same checkpoint: put --checkpoint on a file system every node sees, or copy the newest one "
                       "to every node)"], (err0, err1)
     assert not re.search(r"^step \d+", out0 + out1, flags=re.MULTILINE) and "Traceback" not in err0 + err1
+
+
+@pytest.mark.slow
+def test_a_time_budget_ends_both_ranks_on_the_clock_with_the_learning_rate_decayed(tmp_path):
+    """--time_budget 12: the two ranks stop at the same step once the slowest clock passes 12 s from the
+    script's start; the warmup and cosine span the seconds from the first step (the learning rate climbs
+    to its peak, then ends near a tenth of it); the checkpoint carries the seconds, so resuming it with
+    the same budget has nothing left to train (one line)."""
+    (tmp_path / "text.txt").write_text(ddp_transformer.default_corpus()[:TEXT_CHARS], encoding="utf-8")
+    env, budget = cpu_env(OMP_NUM_THREADS=1), 12
+    cmd = torchrun(2, "--time_budget", str(budget), "--checkpoint", "t.pt", "--metrics", "t.json", "--warmup", "0.2")
+    out = run_bounded(cmd, tmp_path, timeout=240, env=env).stdout
+    m = read_metrics(tmp_path / "t.json")
+    assert m["replicas_in_sync"] and m["steps"] >= 10, out
+    assert f"| {budget} s of training in epochs of 16 steps of 1 micro-batch x 8 windows x 2 processes" in out
+    clock = [float(s) for s in re.findall(rf"^step \d+ \(at (\d+)/{budget} s\) \| loss", out, re.M)]
+    lrs = [float(x) for x in re.findall(r"^step \d+ \(at \d+/\d+ s\) \| loss [0-9.]+ \| lr ([0-9.e+-]+)", out, re.M)]
+    assert len(lrs) == m["steps"] and clock == sorted(clock) and clock[-1] <= budget, out
+    peak = lrs.index(max(lrs))
+    assert 0 < peak < len(lrs) - 1 and max(lrs) > 0.8 * 3e-3 and lrs[-1] < 0.2 * 3e-3, lrs
+    state = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert state["step"] == m["steps"] and budget <= state["budget_spent_s"] < budget + 30
+    again = run_bounded(torchrun(2, "--time_budget", str(budget), "--checkpoint", "t.pt", "--resume"), tmp_path,
+                        timeout=240, env=env).stdout
+    assert f"nothing to train: t.pt is at second {round(state['budget_spent_s'])} and --time_budget {budget}" in again
