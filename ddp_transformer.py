@@ -131,8 +131,9 @@ def add_length_args(p):
                    help="stop training SECONDS of wall clock after the script started (the final validation "
                         "and sample follow; the ranks agree on the slowest clock), with the learning rate's warmup "
                         "and decay spread over the seconds from the first step to the end; --max_steps or --epochs "
-                        "end it first if given. The steps a budget buys depend on the machine's speed and load, so such a run, "
-                        "or its resume (which carries the seconds spent on), is not repeatable step for step; "
+                        "end it first if given. The steps a budget buys depend on the machine's speed and load, "
+                        "so such a run, or its resume (which carries the seconds spent on), is not repeatable step "
+                        "for step; "
                         "0: no budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
@@ -944,9 +945,10 @@ class Trainer:
         n, g = len(self.train_set), self.global_batch
         self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
-        loss_sum, count = torch.zeros((), device=self.device), 0
-        for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
-            if self.step >= self.total or self.out_of_time():
+        loss_sum, count, first = torch.zeros((), device=self.device), 0, self.windows_in_epoch // g
+        for s, windows, step_windows in epoch_steps(self.sampler, g, first, self.device):
+            # the clock before every step (train() read it before the epoch's first)
+            if self.step >= self.total or s > first and self.out_of_time():
                 break
             micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
             step_sum, tokens = self._run_step(micro_batches, step_windows)
@@ -963,7 +965,7 @@ class Trainer:
         history, ended = [], self.epochs_run
         self.clock.start()
         for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total or self.args.time_budget and self.spent >= self.args.time_budget:
+            if self.step >= self.total or self.out_of_time():  # no epoch of no step
                 break
             start, since = time.perf_counter(), self.clock.reading()
             loss, done, windows = self._run_epoch(epoch)
@@ -972,7 +974,8 @@ class Trainer:
             self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
             ended = epoch + 1
             self._save_checkpoint(epoch)
-            print0(f"epoch {epoch + 1}{f'/{self.epochs}' if self.epochs < sys.maxsize else ''} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
+            of = f"/{self.epochs}" if self.epochs < sys.maxsize else ""  # none under --time_budget alone
+            print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
                    f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
                    f"checkpoint {self.args.checkpoint}")
             self.windows_in_epoch = 0  # the next epoch starts at its beginning
