@@ -128,8 +128,9 @@ def add_length_args(p):
                         "cpu10: the best validation loss in 10 minutes of wall clock on a 2-core CPU at 2 "
                         "processes (" + ", ".join(f"--{k} {v}" for k, v in PRESETS["cpu10"].items()) + ")")
     p.add_argument("--time_budget", type=float, default=0, metavar="SECONDS",
-                   help="stop training SECONDS of wall clock after the script started (the final validation "
-                        "and sample follow; the ranks agree on the slowest clock), with the learning rate's warmup "
+                   help="end the run SECONDS of wall clock after the script started: training stops early "
+                        "enough to leave the final validation and sample twice the first validation's time (the "
+                        "ranks agree on the slowest clock), with the learning rate's warmup "
                         "and decay spread over the seconds from the first step to the end; --max_steps or --epochs "
                         "end it first if given. The steps a budget buys depend on the machine's speed and load, "
                         "so such a run, or its resume (which carries the seconds spent on), is not repeatable step "
@@ -836,6 +837,7 @@ class Trainer:
         # --time_budget: seconds spent by the runs before this one, the clock at the first step, the clock now,
         # and the share of the schedule done (its warmup and decay span the seconds from the first step on)
         self.spent_before, self.budget_from, self.spent, self.share = 0.0, None, 0.0, 0.0
+        self.reserve = 0.0  # seconds kept for what follows training: twice the first validation's (train())
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.ddp = wrap(model, device, args)
@@ -878,7 +880,10 @@ class Trainer:
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                              "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                             "budget_spent_s": self.spent_before + self.clock.since_start(),
+                             # with the seconds kept for the end (a resumed run keeps its own), and at
+                             # least the ranks' agreed clock (rank 0's may be behind the slowest one's)
+                             "budget_spent_s": max(self.spent, self.spent_before + self.clock.since_start()
+                                                   + self.reserve),
                              "budget_from_s": self.budget_from},
                             self.args.checkpoint)  # save_checkpoint adds the world size and the job
         dist.barrier()  # nobody reads the checkpoint before it is complete
@@ -893,13 +898,15 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def out_of_time(self):
-        """--time_budget: whether it is spent. The ranks' clocks differ a little, so they agree on the
-        slowest one's (an all-reduce of one number a step), or they would use different learning rates
+        """--time_budget: whether it is spent, counting the seconds kept for the last validation and the
+        sample as spent, so the whole run ends in time. The ranks' clocks differ a little, so they agree on
+        the slowest one's (an all-reduce of one number a step), or they would use different learning rates
         and stop at different steps. The schedule spans the seconds from the first step to the end:
         start-up and the first validation take nothing from its warmup."""
         if not self.args.time_budget:
             return False
-        spent = torch.tensor([self.spent_before + self.clock.since_start()], dtype=torch.float64, device=self.device)
+        spent = self.spent_before + self.clock.since_start() + self.reserve
+        spent = torch.tensor([spent], dtype=torch.float64, device=self.device)
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         self.spent = spent.item()
         if self.budget_from is None:
@@ -1158,9 +1165,11 @@ def train(device, args, corpus, checkpoint):
     nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
                                     else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
     if args.time_budget:
-        budget = int(args.time_budget) if args.time_budget.is_integer() else args.time_budget  # `540`, not `540.0`
+        budget = args.time_budget if args.time_budget % 1 else int(args.time_budget)  # `540`, not `540.0`
         nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", budget)
+    start = time.perf_counter()
     first_val = trainer.validate()
+    trainer.reserve = 2 * (time.perf_counter() - start)  # --time_budget: for the last validation and the sample
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()
     val = trainer.validate()
