@@ -382,10 +382,11 @@ def window_offset(seed, epoch, block):
     """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
     every rank, any world size and a resumed run cut the same windows. The offsets of epochs
     c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
-    within `block` epochs every position of the text starts a window once."""
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
     cycle, place = divmod(epoch, block)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + cycle)
-    return int(torch.randperm(block, generator=generator)[place])
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 class NLPDataset(Dataset):

@@ -155,6 +155,7 @@ def test_each_epoch_shifts_the_grid_so_every_position_starts_a_window():
         for seed in (0, 7):
             offsets = [ddp_transformer.window_offset(seed, e, block) for e in range(3 * block)]
             assert all(sorted(offsets[c * block:(c + 1) * block]) == list(range(block)) for c in range(3))
+            assert offsets[0] == 0  # the first epoch's windows are those of the unshifted grid
             starts = set()
             for e, offset in enumerate(offsets[:block]):
                 windows.shift(offset)
