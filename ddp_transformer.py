@@ -24,12 +24,18 @@ Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_transformer.py --peak_tflops 989       # MFU against your peak
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --compile      # torch.compile + DDP
     torchrun --standalone --nproc-per-node=2 ddp_transformer.py --dataset toy  # the seed's run
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_transformer.py --device cpu \\
+        --data input.txt --preset cpu10      # the best model 10 minutes buy on a 2-core CPU
 
 How long it trains: `--max_steps` optimizer steps (as nanoGPT's max_iters), the same
 number whatever the text's length and the world size; `--epochs N` trains whole epochs
 instead (given both, whichever ends first). One step sees batch x grad_accum x world
 windows, so more ranks see more text in the same steps; the `model:` line says how many
 epochs of this text the steps make. The learning-rate warmup and decay are in steps too.
+`--time_budget SECONDS` ends the run by the clock instead, its warmup and decay spread over the
+seconds (`--preset cpu10` does: the recipe, and why a budget of time, in docs/ten_minutes.md).
+Each epoch cuts its training windows from another offset (window_offset), so that over the
+epochs every character starts a window, the same windows at any world size and on resume.
 
 torch.compile with DDP (`--compile`): wrap first, then compile, `torch.compile(DDP(model))`,
 as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at DDP's
@@ -76,6 +82,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, DistributedSampler
 
+STARTED = time.perf_counter()  # the script's start (torch imported): --time_budget's clock counts from here
+
 # The default corpus: modules every CPython ships, read in this order, cut at a size
 # whose default run takes seconds on a 2-core CPU.
 STDLIB_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "queue.py",
@@ -87,6 +95,12 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
+# --preset cpu10: the best validation loss found for 10 minutes of wall clock on a 2-core CPU at 2 processes
+# (how it was chosen, and what it reached: docs/ten_minutes.md). A wall-clock budget ends it in time on a
+# slower or busier machine too, with fewer steps: the budget leaves a minute for start-up and validation.
+PRESETS = {"cpu10": {"time_budget": 540, "d_model": 192, "num_layers": 4, "num_heads": 4, "block_size": 128,
+                     "batch_size": 16, "lr": 2e-3, "warmup": 0.05, "dropout": 0.1, "amp": "bf16",
+                     "log_every": 200, "sample": 300}}
 # What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 
@@ -101,10 +115,27 @@ def parse_args(argv=None):
     add_model_args(p)
     add_run_args(p)
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
+    # a preset is a set of defaults: the flags passed beside it still win
+    preset = p.parse_known_args(argv)[0].preset
+    if preset:
+        p.set_defaults(**PRESETS[preset])
     return p.parse_args(argv)
 
 
 def add_length_args(p):
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a recipe chosen by measurement, as defaults that the flags passed beside it override; "
+                        "cpu10: the best validation loss in 10 minutes of wall clock on a 2-core CPU at 2 "
+                        "processes (" + ", ".join(f"--{k} {v}" for k, v in PRESETS["cpu10"].items()) + ")")
+    p.add_argument("--time_budget", type=float, default=0, metavar="SECONDS",
+                   help="end the run SECONDS of wall clock after the script started: training stops early "
+                        "enough to leave the final validation and sample twice the first validation's time (the "
+                        "ranks agree on the slowest clock), with the learning rate's warmup "
+                        "and decay spread over the seconds from the first step to the end; --max_steps or --epochs "
+                        "end it first if given. The steps a budget buys depend on the machine's speed and load, "
+                        "so such a run, or its resume (which carries the seconds spent on), is not repeatable step "
+                        "for step; "
+                        "0: no budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
                         "on text unless --epochs is given, whatever the text's length and the world "
@@ -212,7 +243,7 @@ def fill_defaults(args):
         args.optimizer = "sgd" if toy else "adamw"
     if args.lr is None:
         args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
-    if args.epochs is None and args.max_steps is None:
+    if args.epochs is None and args.max_steps is None and not args.time_budget:
         args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
     return args
 
@@ -222,7 +253,7 @@ def check_args(args):
     fill_defaults(args)
     check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
                    "d_model", "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout", "peak_tflops")
-    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
+    for name in ("eval_every", "log_every", "sample", "save_every_steps", "time_budget"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
     if args.d_model % 2 or args.d_model % args.num_heads:
@@ -329,23 +360,44 @@ def unigram_entropy(text):
 
 
 class Windows(Dataset):
-    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens: window i is
-    tokens[i*block : i*block + block + 1], whose last token is window i+1's first input.
+    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
+    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
+    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
+    that over the epochs every position starts a window and the model sees each stretch of text
+    under other contexts, instead of the same blocks at the same places epoch after epoch; the
+    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
 
-    `Tensor.unfold` makes them a view of the tokens (no copy). Indexing with a tensor of window
-    indices returns a whole batch `(inputs, targets)` by one gather, so no DataLoader (and no
-    per-sample Python) sits in the step.
+    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
+    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
+    DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
-        self.rows = tokens.unfold(0, block + 1, block)
+        self.starts = tokens.unfold(0, block + 1, 1)  # row s: tokens[s : s + block + 1]
+        self.block, self.count, self.offset = block, (len(tokens) - 1) // block, 0
+
+    def shift(self, offset):
+        """Start the grid at `offset` (0 to block - 1): the same window i on every rank that shifts alike."""
+        self.offset = offset
 
     def __len__(self):
-        return len(self.rows)
+        return self.count
 
     def __getitem__(self, index):
-        rows = self.rows[torch.as_tensor(index, device=self.rows.device)]
+        index = torch.as_tensor(index, device=self.starts.device)
+        rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
         return rows[..., :-1], rows[..., 1:]
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
+    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
+    cycle, place = divmod(epoch, block)
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 class NLPDataset(Dataset):
@@ -353,6 +405,9 @@ class NLPDataset(Dataset):
 
     def __init__(self, size, length, device="cpu"):
         self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def shift(self, offset):
+        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
 
     def __len__(self):
         return len(self.data)
@@ -598,6 +653,14 @@ def note_schedule(saved, schedule, step, args):
            f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
 
 
+def lr_at_share(share, args):
+    """--time_budget's schedule: lr_at's warmup and cosine, along the share of the budget spent."""
+    if share < args.warmup:
+        return args.lr * max(share, 1e-4) / args.warmup
+    progress = min(1.0, (share - args.warmup) / (1 - args.warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def autocast(amp, device):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
@@ -706,6 +769,8 @@ def read_checkpoint(args, corpus):
         bad = ["batch_size"]
     if state.get("schedule") is not None and (type(state["schedule"]) is not int or not 0 < state["schedule"] < 2 ** 48):
         bad.append("schedule")
+    bad += [k for k in ("budget_spent_s", "budget_from_s") if state.get(k) is not None and
+            (type(state[k]) not in (int, float) or not 0 <= state[k] < 2 ** 48)]  # nan fails the range too
     if bad:
         fail(f"{args.checkpoint} is not a checkpoint of this script ({', '.join(bad)} out of range for this text)",
              "delete it to start afresh, or pass the --data it was trained on", every_node=True)
@@ -778,8 +843,11 @@ def global_mean(loss_sum, count, device):
 
 
 def run_length(steps_per_epoch, args):
-    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
+    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first
+    (neither, under --time_budget alone: no limit but the clock's)."""
     total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
+    if total == math.inf:
+        return sys.maxsize, sys.maxsize
     return total, math.ceil(total / steps_per_epoch)
 
 
@@ -802,6 +870,10 @@ class Trainer:
         self.amp = autocast(args.amp, device)
         # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
         self.epochs_run, self.windows_in_epoch, self.step = 0, 0, 0
+        # --time_budget: seconds spent by the runs before this one, the clock at the first step, the clock now,
+        # and the share of the schedule done (its warmup and decay span the seconds from the first step on)
+        self.spent_before, self.budget_from, self.spent, self.share = 0.0, None, 0.0, 0.0
+        self.reserve = 0.0  # seconds kept for what follows training: twice the first validation's (train())
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.ddp = wrap(model, device, args)
@@ -832,6 +904,8 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])  # a no-op when --amp is not fp16
         self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
         self.step = state["step"]
+        self.spent_before = state.get("budget_spent_s", 0.0)  # --time_budget's seconds, carried on
+        self.budget_from = state.get("budget_from_s")
 
     def _save_checkpoint(self, epoch):
         """The position in global units, the windows of the epoch's order trained and the global batch
@@ -845,7 +919,12 @@ class Trainer:
                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                              "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                             "schedule": self.schedule},
+                             "schedule": self.schedule,
+                             # with the seconds kept for the end (a resumed run keeps its own), and at
+                             # least the ranks' agreed clock (rank 0's may be behind the slowest one's)
+                             "budget_spent_s": max(self.spent, self.spent_before + self.clock.since_start()
+                                                   + self.reserve),
+                             "budget_from_s": self.budget_from},
                             self.args.checkpoint)  # save_checkpoint adds the world size and the job
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
@@ -858,9 +937,27 @@ class Trainer:
         dist.all_reduce(totals)
         return (totals[0] / totals[1]).item()
 
+    def out_of_time(self):
+        """--time_budget: whether it is spent, counting the seconds kept for the last validation and the
+        sample as spent, so the whole run ends in time. The ranks' clocks differ a little, so they agree on
+        the slowest one's (an all-reduce of one number a step), or they would use different learning rates
+        and stop at different steps. The schedule spans the seconds from the first step to the end:
+        start-up and the first validation take nothing from its warmup."""
+        if not self.args.time_budget:
+            return False
+        spent = self.spent_before + self.clock.since_start() + self.reserve
+        spent = torch.tensor([spent], dtype=torch.float64, device=self.device)
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        self.spent = spent.item()
+        if self.budget_from is None:
+            self.budget_from = self.spent
+        self.share = (self.spent - self.budget_from) / max(self.args.time_budget - self.budget_from, 1e-9)
+        return self.spent >= self.args.time_budget
+
     def _run_step(self, micro_batches, step_windows):
+        lr = lr_at_share(self.share, self.args) if self.args.time_budget else lr_at(self.step, self.schedule, self.args)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.schedule, self.args)
+            group["lr"] = lr
         step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
         torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
         loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
@@ -877,20 +974,28 @@ class Trainer:
         if args.log_every and step % args.log_every == 0:
             loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
             self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
-            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+            print0(f"step {self.where()} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
                    + self.clock.mfu_since_mark())
         if args.eval_every and step % args.eval_every == 0 and step < self.total:
             start = time.perf_counter()
-            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
+            print0(f"step {self.where()} | validation loss {self.validate():.4f}")
             self.clock.left_out(time.perf_counter() - start)
+
+    def where(self):
+        """`120/600`, or under --time_budget alone `120 (at 231/540 s)`."""
+        if self.total == sys.maxsize:
+            return f"{self.step} (at {self.spent:.0f}/{self.args.time_budget:g} s)"
+        return f"{self.step}/{self.total}"
 
     def _run_epoch(self, epoch):
         """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
         n, g = len(self.train_set), self.global_batch
         self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        loss_sum, count = torch.zeros((), device=self.device), 0
-        for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
-            if self.step >= self.total:
+        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
+        loss_sum, count, first = torch.zeros((), device=self.device), 0, self.windows_in_epoch // g
+        for s, windows, step_windows in epoch_steps(self.sampler, g, first, self.device):
+            # the clock before every step (train() read it before the epoch's first)
+            if self.step >= self.total or s > first and self.out_of_time():
                 break
             micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
             step_sum, tokens = self._run_step(micro_batches, step_windows)
@@ -907,7 +1012,7 @@ class Trainer:
         history, ended = [], self.epochs_run
         self.clock.start()
         for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total:
+            if self.step >= self.total or self.out_of_time():  # no epoch of no step
                 break
             start, since = time.perf_counter(), self.clock.reading()
             loss, done, windows = self._run_epoch(epoch)
@@ -916,7 +1021,8 @@ class Trainer:
             self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
             ended = epoch + 1
             self._save_checkpoint(epoch)
-            print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
+            of = f"/{self.epochs}" if self.epochs < sys.maxsize else ""  # none under --time_budget alone
+            print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
                    f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
                    f"checkpoint {self.args.checkpoint}")
             self.windows_in_epoch = 0  # the next epoch starts at its beginning
@@ -943,6 +1049,11 @@ class Throughput:
         if self.compiling:  # otherwise the first step is a minute of silence
             print0(f"compiling: the first step compiles the model before it trains ({COMPILE_TIME}); "
                    "tokens/s and MFU leave it out")
+
+    def since_start(self):
+        """Wall-clock seconds since the script started, start-up, evaluations and checkpoints in:
+        --time_budget's clock."""
+        return time.perf_counter() - STARTED
 
     def stepped(self, step_tokens):
         """After each optimizer step: the first one starts the clock, the others count their tokens."""
@@ -1093,7 +1204,12 @@ def train(device, args, corpus, checkpoint):
     by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
     nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
                                     else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
+    if args.time_budget:
+        budget = args.time_budget if args.time_budget % 1 else int(args.time_budget)  # `540`, not `540.0`
+        nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", budget)
+    start = time.perf_counter()
     first_val = trainer.validate()
+    trainer.reserve = 2 * (time.perf_counter() - start)  # --time_budget: for the last validation and the sample
     print0(f"validation loss {first_val:.4f} before training")
     history, epochs = trainer.train()
     val = trainer.validate()
@@ -1114,8 +1230,11 @@ def describe(trainer, name, entropy):
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
            f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
            f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
-           f"{' | compiled' if args.compile else ''} | {trainer.total} steps = "
-           f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
+           f"{' | compiled' if args.compile else ''} | "
+           + (f"{trainer.total} steps = {trainer.total / trainer.steps_per_epoch:.2f} epochs"
+              + (f" (or {args.time_budget:g} s of training)" if args.time_budget else "")
+              if trainer.total < sys.maxsize else f"{args.time_budget:g} s of training in epochs")
+           + f" of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
     peak = trainer.clock.peak

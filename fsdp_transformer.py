@@ -398,23 +398,44 @@ def unigram_entropy(text):
 
 
 class Windows(Dataset):
-    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens: window i is
-    tokens[i*block : i*block + block + 1], whose last token is window i+1's first input.
+    """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
+    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
+    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
+    that over the epochs every position starts a window and the model sees each stretch of text
+    under other contexts, instead of the same blocks at the same places epoch after epoch; the
+    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
 
-    `Tensor.unfold` makes them a view of the tokens (no copy). Indexing with a tensor of window
-    indices returns a whole batch `(inputs, targets)` by one gather, so no DataLoader (and no
-    per-sample Python) sits in the step.
+    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
+    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
+    DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
-        self.rows = tokens.unfold(0, block + 1, block)
+        self.starts = tokens.unfold(0, block + 1, 1)  # row s: tokens[s : s + block + 1]
+        self.block, self.count, self.offset = block, (len(tokens) - 1) // block, 0
+
+    def shift(self, offset):
+        """Start the grid at `offset` (0 to block - 1): the same window i on every rank that shifts alike."""
+        self.offset = offset
 
     def __len__(self):
-        return len(self.rows)
+        return self.count
 
     def __getitem__(self, index):
-        rows = self.rows[torch.as_tensor(index, device=self.rows.device)]
+        index = torch.as_tensor(index, device=self.starts.device)
+        rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
         return rows[..., :-1], rows[..., 1:]
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
+    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
+    cycle, place = divmod(epoch, block)
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 class NLPDataset(Dataset):
@@ -422,6 +443,9 @@ class NLPDataset(Dataset):
 
     def __init__(self, size, length, device="cpu"):
         self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def shift(self, offset):
+        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
 
     def __len__(self):
         return len(self.data)
@@ -1349,6 +1373,7 @@ class Trainer:
         """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
         n, g = len(self.train_set), self.global_batch
         self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
         loss_sum, count = torch.zeros((), device=self.device), 0
         for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
             if self.step >= self.total:

@@ -145,6 +145,83 @@ def test_windows_are_the_slices_they_were():
         assert x.shape == (2, block) and torch.equal(x[1], windows[0][0]) and torch.equal(y[0], windows[last][1])
 
 
+def test_each_epoch_shifts_the_grid_so_every_position_starts_a_window():
+    """Epoch e cuts its windows from offset window_offset(seed, e, T): over T epochs the offsets are 0 .. T-1,
+    so every position that can start a window does; each epoch still has (len - 1) // T windows of T + 1
+    tokens inside the text, consecutive ones sharing a token, a shifted-out last window the text's last."""
+    for length, block in ((1000, 32), (129, 8), (65, 64), (10, 1)):
+        tokens = torch.arange(length)  # token = its position: a window's first token is where it starts
+        windows = ddp_transformer.Windows(tokens, block)
+        for seed in (0, 7):
+            offsets = [ddp_transformer.window_offset(seed, e, block) for e in range(3 * block)]
+            assert all(sorted(offsets[c * block:(c + 1) * block]) == list(range(block)) for c in range(3))
+            assert offsets[0] == 0  # the first epoch's windows are those of the unshifted grid
+            starts = set()
+            for e, offset in enumerate(offsets[:block]):
+                windows.shift(offset)
+                x, y = windows[torch.arange(len(windows))]
+                assert len(windows) == (length - 1) // block and x.shape == y.shape == (len(windows), block)
+                assert torch.equal(y[:, :-1], x[:, 1:]) and int(y.max()) <= length - 1  # targets: the next tokens
+                expected = [min(offset + i * block, length - block - 1) for i in range(len(windows))]
+                assert x[:, 0].tolist() == expected, (length, block, seed, e)
+                starts.update(expected)
+            assert starts == set(range(length - block)), (length, block, seed)
+        assert offsets != [ddp_transformer.window_offset(0, e, block) for e in range(3 * block)] or block == 1
+    windows.shift(0)  # the grid at 0 is the one before shifting: window i = tokens[i T : i T + T + 1]
+    assert torch.equal(windows[3][0], tokens[3:4])
+
+
+def test_shifted_windows_are_the_same_batches_at_any_world_size_and_after_a_resume():
+    """The offset is a function of (seed, epoch) alone: step s of an epoch trains the same text at world 1, 2
+    and 4, and a run resumed mid-epoch (epoch_steps from step `first`) trains what an uninterrupted one would."""
+    tokens = torch.arange(8870)  # test_elastic's text: 249 windows of 32, a global batch of 16
+    block, global_batch = 32, 16
+    n = (len(tokens) - 1) // block
+
+    def text_of_steps(world, epoch, first=0, seed=0):
+        windows = ddp_transformer.Windows(tokens, block)
+        windows.shift(ddp_transformer.window_offset(seed, epoch, block))  # as _run_epoch does, on every rank
+        steps = steps_at(world, n, global_batch, epoch, first, seed)
+        return {s: sorted(windows[torch.tensor(w)][0][:, 0].tolist()) for s, (w, _) in steps.items()}
+
+    for epoch in (0, 1, 5):
+        one = text_of_steps(1, epoch)
+        assert len(one) == math.ceil(n / global_batch)
+        assert any(start % block for starts in one.values() for start in starts) or epoch == 0 and \
+            ddp_transformer.window_offset(0, 0, block) == 0
+        for world in (2, 4):
+            assert text_of_steps(world, epoch) == one, (world, epoch)
+            resumed = text_of_steps(world, epoch, first=5)
+            assert resumed == {s: one[s] for s in range(5, len(one))}, (world, epoch)
+    assert text_of_steps(2, 1) != text_of_steps(2, 2)  # another epoch: another grid (and order)
+
+
+def test_preset_cpu10_is_the_documented_recipe():
+    """--preset cpu10 fills the settings it lists (a time budget, no step count) and a flag passed beside it
+    wins; the README gives the one command; the budget's schedule climbs to --lr and ends at a tenth."""
+    recipe = ddp_transformer.PRESETS["cpu10"]
+    args = ddp_transformer.fill_defaults(ddp_transformer.parse_args(["--preset", "cpu10", "--data", "x.txt"]))
+    assert {k: getattr(args, k) for k in recipe} == recipe
+    assert args.max_steps is None and args.epochs is None and args.time_budget == recipe["time_budget"] <= 540
+    assert ddp_transformer.run_length(100, args) == (sys.maxsize, sys.maxsize)  # only the clock ends it
+    mine = ddp_transformer.fill_defaults(ddp_transformer.parse_args(["--preset", "cpu10", "--d_model", "64",
+                                                                     "--max_steps", "30"]))
+    assert (mine.d_model, mine.num_layers, mine.max_steps) == (64, recipe["num_layers"], 30)
+    assert ddp_transformer.run_length(100, mine) == (30, 1)
+    plain = ddp_transformer.fill_defaults(ddp_transformer.parse_args([]))  # no preset: today's defaults
+    assert (plain.d_model, plain.block_size, plain.time_budget, plain.max_steps) == (128, 128, 0, 60)
+    readme = (ROOT / "README.md").read_text()
+    assert "CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_transformer.py --device cpu " \
+           "--data input.txt --preset cpu10\n" in readme
+    # the warmup and cosine along the budget: up to lr, then down to a tenth of it at the end
+    share = [i / 100 for i in range(101)]
+    lr = [ddp_transformer.lr_at_share(x, args) for x in share]
+    peak = lr.index(max(lr))
+    assert share[peak] == args.warmup and lr[peak] == pytest.approx(args.lr)
+    assert lr[:peak] == sorted(lr[:peak]) and lr[peak:] == sorted(lr[peak:], reverse=True)
+    assert lr[-1] == pytest.approx(args.lr / 10) and 0 < lr[0] < args.lr / 10
+
+
 def test_peak_table_by_device_name_and_precision():
     """Dense peaks (TFLOP/s) by the names torch.cuda.get_device_name reports; none for what the table lacks."""
     peak = ddp_transformer.peak_of
@@ -338,3 +415,28 @@ def test_ranks_that_resumed_at_different_steps_are_one_error_line(elastic):
                       "same checkpoint: put --checkpoint on a file system every node sees, or copy the newest one "
                       "to every node)"], (err0, err1)
     assert not re.search(r"^step \d+", out0 + out1, flags=re.MULTILINE) and "Traceback" not in err0 + err1
+
+
+@pytest.mark.slow
+def test_a_time_budget_ends_both_ranks_on_the_clock_with_the_learning_rate_decayed(tmp_path):
+    """--time_budget 40: the two ranks stop at the same step once the slowest clock passes 40 s from the
+    script's start; the warmup and cosine span the seconds from the first step (the learning rate climbs
+    to its peak, then ends near a tenth of it); the checkpoint carries the seconds, so resuming it with
+    the same budget has nothing left to train (one line)."""
+    (tmp_path / "text.txt").write_text(ddp_transformer.default_corpus()[:TEXT_CHARS], encoding="utf-8")
+    env, budget = cpu_env(OMP_NUM_THREADS=1), 40  # start-up takes seconds of it (20 s on a busy machine)
+    cmd = torchrun(2, "--time_budget", str(budget), "--checkpoint", "t.pt", "--metrics", "t.json", "--warmup", "0.2")
+    out = run_bounded(cmd, tmp_path, timeout=240, env=env).stdout
+    m = read_metrics(tmp_path / "t.json")
+    assert m["replicas_in_sync"] and m["steps"] >= 10, out
+    assert f"| {budget} s of training in epochs of 16 steps of 1 micro-batch x 8 windows x 2 processes" in out
+    clock = [float(s) for s in re.findall(rf"^step \d+ \(at (\d+)/{budget} s\) \| loss", out, re.M)]
+    lrs = [float(x) for x in re.findall(r"^step \d+ \(at \d+/\d+ s\) \| loss [0-9.]+ \| lr ([0-9.e+-]+)", out, re.M)]
+    assert len(lrs) == m["steps"] and clock == sorted(clock) and clock[-1] <= budget, out
+    peak = lrs.index(max(lrs))
+    assert 0 < peak < len(lrs) - 1 and max(lrs) > 0.8 * 3e-3 and lrs[-1] < 0.2 * 3e-3, lrs
+    state = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert state["step"] == m["steps"] and budget <= state["budget_spent_s"] < budget + 30
+    again = run_bounded(torchrun(2, "--time_budget", str(budget), "--checkpoint", "t.pt", "--resume"), tmp_path,
+                        timeout=240, env=env).stdout
+    assert f"nothing to train: t.pt is at second {round(state['budget_spent_s'])} and --time_budget {budget}" in again
