@@ -2104,12 +2104,15 @@ def describe_checkpoint(path):
     of sharded saves is described by its pointer, `latest.json` (JSON), which names the save that counts."""
     try:
         if path and os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, "latest.json")):  # none, or a FIFO that would hang the read
+                raise OSError("no pointer")
             with open(os.path.join(path, "latest.json"), encoding="utf-8") as f:
                 state = json.load(f)
             path = os.path.join(path, str(state["folder"])) if isinstance(state, dict) else path
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
-    except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) \
+                if path and check_archive(path) is None else None
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError, zipfile.BadZipFile):
         state = None
     if not isinstance(state, dict):
         return "no checkpoint kept"
