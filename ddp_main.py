@@ -646,6 +646,7 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args, classes):
     card = checkpoint.get("data")  # None in a checkpoint written before it carried its data card
     theirs = card.get("classes", classes) if isinstance(card, dict) else classes
     if theirs != classes:  # as many classes, other names or order: every output would mean another class
+        theirs = [str(name)[:40] for name in theirs] if isinstance(theirs, list) else [repr(theirs)[:40]]
         fail(f"{args.checkpoint} was trained on the classes {listed(theirs)}, this data has {listed(classes)}",
              "use the data it was trained on, or another --checkpoint to start afresh")
     model.load_state_dict(checkpoint["model"])

@@ -455,7 +455,7 @@ def test_ddp_main_checks_its_args_entry(tmp_path, capsys, monkeypatch):
     for change in ({"args": 5}, {"epoch": "1"}, {"epoch": -1}, {"scaler": 5},
                    {"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}):
         torch.save({**good, **change}, tmp_path / "ck.pt")
-        refused(lambda: ddp_main.restore_checkpoint(model, optimizer, scaler, [], args), capsys, "ck.pt")
+        refused(lambda: ddp_main.restore_checkpoint(model, optimizer, scaler, [], args, None), capsys, "ck.pt")
 
 
 # ---------------------------------------------------------------- saving: what is written, where
