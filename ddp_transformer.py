@@ -1,7 +1,7 @@
 """A character-level Transformer language model trained with DDP, launched by torchrun.
 
-Scenario: the seed's small Transformer (embedding, sinusoidal positions, multi-head
-self-attention, feed-forward, LayerNorm) learns to predict the next character of a text.
+Scenario: the seed's small Transformer (embedding, multi-head self-attention with rotary
+positions, feed-forward, LayerNorm) learns to predict the next character of a text.
 The default text is a fixed list of Python standard library modules, so the script runs
 offline on any machine with Python; `--data PATH` trains on your own text file. Every
 rank reads the same text and builds the same vocabulary; `DistributedSampler` shards the
@@ -99,7 +99,7 @@ MAX_STEPS = 60
 # (how it was chosen, and what it reached: docs/ten_minutes.md). A wall-clock budget ends it in time on a
 # slower or busier machine too, with fewer steps: the budget leaves a minute for start-up and validation.
 PRESETS = {"cpu10": {"time_budget": 540, "d_model": 192, "num_layers": 4, "num_heads": 4, "block_size": 128,
-                     "batch_size": 16, "lr": 2e-3, "warmup": 0.05, "dropout": 0.1, "amp": "bf16",
+                     "batch_size": 16, "optimizer": "muon", "lr": 8e-3, "warmup": 0.05, "dropout": 0.1, "amp": "bf16",
                      "log_every": 200, "sample": 300}}
 # What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
@@ -154,9 +154,10 @@ def add_length_args(p):
 
 def add_optimizer_args(p):
     p.add_argument("--lr", type=float, default=None, metavar="LR",
-                   help="peak learning rate (default: 3e-3 for AdamW, the seed's 0.01 for SGD)")
-    p.add_argument("--optimizer", choices=["auto", "adamw", "sgd"], default="auto",
-                   help="auto: AdamW on text, the seed's SGD on toy")
+                   help="peak learning rate (default: 3e-3 for AdamW, 8e-3 for Muon, the seed's 0.01 for SGD)")
+    p.add_argument("--optimizer", choices=["auto", "adamw", "muon", "sgd"], default="auto",
+                   help="auto: AdamW on text, the seed's SGD on toy; muon: Muon for the blocks' matrices, "
+                        "AdamW for the rest (see class Muon)")
     p.add_argument("--warmup", type=float, default=0.1, metavar="FRACTION",
                    help="fraction of the run's steps spent warming the learning rate up, "
                         "then it decays along a cosine to a tenth")
@@ -242,7 +243,7 @@ def fill_defaults(args):
     if args.optimizer == "auto":
         args.optimizer = "sgd" if toy else "adamw"
     if args.lr is None:
-        args.lr = 0.01 if args.optimizer == "sgd" else 3e-3
+        args.lr = {"sgd": 0.01, "muon": 8e-3}.get(args.optimizer, 3e-3)
     if args.epochs is None and args.max_steps is None and not args.time_budget:
         args.epochs, args.max_steps = (200, None) if toy else (None, MAX_STEPS)
     return args
@@ -256,9 +257,9 @@ def check_args(args):
     for name in ("eval_every", "log_every", "sample", "save_every_steps", "time_budget"):
         if getattr(args, name) < 0:
             fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
-    if args.d_model % 2 or args.d_model % args.num_heads:
-        fail(f"--d_model {args.d_model} must be even (sine and cosine pairs) and divisible by "
-             f"--num_heads {args.num_heads}", "pass e.g. --d_model 128 --num_heads 4")
+    if args.d_model % args.num_heads:
+        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
+             "pass e.g. --d_model 128 --num_heads 4")
     if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or args.clip < 0:
         fail("--warmup and --dropout must be in [0, 1) and --clip 0 or more",
              "e.g. --warmup 0.1 --dropout 0.1 --clip 1")
@@ -452,25 +453,19 @@ def text_fingerprint(text):
 
 
 # ---------------------------------------------------------------- model
-class PositionalEncoding(nn.Module):
-    """The seed's sinusoidal positions, computed on the input's device for its length.
-
-    Not a buffer: nothing to move with .to(device) or for DDP to broadcast each forward.
-    `max_len` is the longest sequence the model was built (and checkpointed) for.
+def rotate(x):
+    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones added to the
+    embedding: channel pair i of the query or key at position t is turned by the angle t / 10000^(2i/d),
+    so the score of q_t and k_s depends on t - s, the distance, alone. No weights, nothing in the
+    checkpoint; on the CPU recipe (docs/ten_minutes.md) a lower validation loss at equal time. A head of
+    odd width (the seed's toy: 3) leaves its last channel as it is.
     """
-
-    def __init__(self, d_model, max_len=5000):
-        super().__init__()
-        self.d_model, self.max_len = d_model, max_len
-
-    def forward(self, x):
-        if x.size(1) > self.max_len:
-            raise ValueError(f"sequence of {x.size(1)} tokens is longer than max_len {self.max_len}")
-        position = torch.arange(x.size(1), device=x.device, dtype=torch.float).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, self.d_model, 2, device=x.device).float()
-                             * (-math.log(10000.0) / self.d_model))
-        angles = position * div_term
-        return x + torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # sin, cos interleaved
+    length, half = x.size(-2), x.size(-1) // 2
+    rate = 10000 ** -(torch.arange(half, device=x.device, dtype=torch.float) / half)
+    angle = torch.outer(torch.arange(length, device=x.device, dtype=torch.float), rate)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 def causal_attention(q, k, v, dropout_p=0.0):
@@ -500,7 +495,8 @@ class MultiHeadSelfAttention(nn.Module):
         batch, length, width = x.shape
         # every size spelled out: a rank may hold no window of an epoch's last step (an empty batch)
         heads = (batch, length, 3, self.num_heads, width // self.num_heads)
-        q, k, v = self.qkv_linear(x).view(heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv_linear(x).view(heads).permute(2, 0, 3, 1, 4)
+        (q, k), v = rotate(qkv[:2]), qkv[2]  # queries and keys learn where each token is: see rotate
         # is_causal instead of a mask: the seed's mask was inverted and built on the CPU
         out = causal_attention(q, k, v, self.dropout if self.training else 0.0)
         return self.out_linear(out.transpose(1, 2).reshape(batch, length, width))
@@ -536,17 +532,21 @@ class Transformer(nn.Module):
     """Token ids (B, T) -> next-token logits (B, T, vocab_size); position t sees tokens <= t only."""
 
     def __init__(self, vocab_size, d_model=512, num_heads=8, d_ff=2048, num_layers=6, max_len=5000,
-                 dropout=0.0):
+                 dropout=0.0, positions="rotary"):
         super().__init__()
+        if positions != "rotary":  # in the config, so that a checkpoint of the seed's sinusoidal ones is refused
+            raise ValueError(f"positions must be 'rotary' (see rotate), got {positions!r}")
+        self.max_len = max_len  # the longest sequence it was built (and checkpointed) for
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.pos_encoding = PositionalEncoding(d_model, max_len)
         self.layers = nn.ModuleList([TransformerBlock(d_model, num_heads, d_ff, dropout)
                                      for _ in range(num_layers)])
         self.norm = nn.LayerNorm(d_model)
         self.out_linear = nn.Linear(d_model, vocab_size)
 
     def forward(self, x):
-        x = self.pos_encoding(self.embedding(x))
+        if x.size(1) > self.max_len:
+            raise ValueError(f"sequence of {x.size(1)} tokens is longer than max_len {self.max_len}")
+        x = self.embedding(x)
         for layer in self.layers:
             x = layer(x)
         return self.out_linear(self.norm(x))
@@ -557,7 +557,7 @@ def model_config(args, vocab):
     return {"vocab_size": len(vocab) if vocab else 100,  # the seed's vocabulary size on toy
             "d_model": args.d_model, "num_heads": args.num_heads,
             "d_ff": args.d_ff, "num_layers": args.num_layers, "max_len": args.block_size,
-            "dropout": args.dropout}
+            "dropout": args.dropout, "positions": "rotary"}
 
 
 def flops_per_token(model, block):
@@ -622,11 +622,68 @@ def make_optimizer(model, args):
     # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
+    if args.optimizer == "muon":  # the blocks' matrices by Muon, the embedding and the output layer by AdamW
+        blocks = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
+        decay = [p for p in decay if id(p) not in set(map(id, blocks))]
+        return Muon([{"params": blocks, "muon": True, "weight_decay": 0.1},
+                     {"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=args.lr)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Keller Jordan, 2024) for the param groups marked `muon`, AdamW for the others, in one
+    optimizer: one state_dict in the checkpoint and one learning rate for the schedule to set.
+
+    A matrix's step is its Nesterov momentum made orthogonal (orthogonalize): every singular
+    value near 1, so the step moves every direction of the matrix alike instead of the few that
+    dominate its gradient. Scaled by 0.2 x sqrt(the larger side) it has about AdamW's RMS per
+    element, so one --lr serves both kinds (torch.optim.Muon's "match_rms_adamw"). Embedding,
+    output layer and vectors stay with AdamW, as Muon's authors advise. Every rank computes the
+    same step from the same all-reduced gradient: no collective of its own, and the replicas stay
+    identical. torch.optim.Muon (torch 2.9+) takes matrices only and would need an AdamW beside it.
+    """
+
+    def __init__(self, groups, lr, betas=(0.9, 0.95), momentum=0.95, eps=1e-8):
+        super().__init__(groups, {"lr": lr, "betas": betas, "momentum": momentum, "eps": eps,
+                                  "weight_decay": 0.0, "muon": False})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, decay, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                grad, state = p.grad, self.state[p]
+                p.mul_(1 - lr * decay)  # decoupled weight decay, as AdamW's
+                if group["muon"]:
+                    momentum = state.setdefault("momentum", torch.zeros_like(p))
+                    momentum.lerp_(grad, 1 - group["momentum"])
+                    step = orthogonalize(grad.lerp(momentum, group["momentum"]))  # Nesterov
+                    p.add_(step.to(p.dtype), alpha=-lr * 0.2 * max(p.shape) ** 0.5)
+                    continue
+                if not state:
+                    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                t = state["step"].item()
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                scale = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], scale, value=-lr / (1 - beta1 ** t))
+
+
+def orthogonalize(g, steps=5):
+    """About U V^T of g = U S V^T: Muon's quintic Newton-Schulz iteration, in bf16 (its coefficients
+    push every singular value into about [0.7, 1.2] in 5 steps; exactness does not help, per its authors)."""
+    x = g.bfloat16()
+    x = x.T if g.size(0) > g.size(1) else x  # the smaller Gram matrix
+    x = x / (x.norm() + 1e-7)  # singular values at most 1
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x.T if g.size(0) > g.size(1) else x
 
 
 def lr_at(step, total, args):
@@ -736,7 +793,7 @@ def generate(model, vocab, prompt, count, seed):
     ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for _ in range(count):
-        logits = model(ids[:, -model.pos_encoding.max_len:])[0, -1].float()
+        logits = model(ids[:, -model.max_len:])[0, -1].float()
         nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
         ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     model.train(was_training)
@@ -896,7 +953,11 @@ class Trainer:
 
     def _load_checkpoint(self, state):
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:  # another optimizer's groups or state
+            fail(f"{self.args.checkpoint} holds another optimizer's state than --optimizer {self.args.optimizer}'s "
+                 f"({str(e)[:80]})", "pass the --optimizer that wrote it, or delete it to start afresh")
         if self.scaler.is_enabled() and not state["scaler"]:
             # written by a bf16 or fp32 run, whose disabled scaler saved nothing to load
             print0(f"note: {self.args.checkpoint} holds no fp16 loss scale: the GradScaler starts afresh")

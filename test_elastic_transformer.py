@@ -325,6 +325,11 @@ def elastic(tmp_path_factory):
     launch("w4", torchrun(4, *resume, "--checkpoint", "w4.pt", "--metrics", "w4.json"))
     launch("w3", torchrun(3, *resume, "--checkpoint", "w3.pt"), check=False)
     runs["mixed"] = hand_launch(work, [[*resume, "--checkpoint", "ref.pt"], [*resume, "--checkpoint", "stop.pt"]])
+    launch("muon", torchrun(2, "--max_steps", "20", "--optimizer", "muon", "--checkpoint", "muon.pt",
+                            "--metrics", "muon.json"))
+    shutil.copy(work / "stop.pt", work / "adamw.pt")
+    launch("other", [sys.executable, SCRIPT, *SMALL, *resume, "--optimizer", "muon", "--checkpoint", "adamw.pt"],
+           check=False)
     return work, runs
 
 
@@ -400,6 +405,23 @@ def test_a_global_batch_that_cannot_be_kept_is_one_error_line(elastic):
         "error: w3.pt was trained with a global batch of 16 windows a step (2 processes), which cannot be kept at "
         "3 processes (resume at 1, 2, 4, 8, 16 processes; or start afresh with another --checkpoint)"], r
     assert "step 1" not in r.stdout and "Traceback (most recent call last):\n  File \"" + SCRIPT not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("elastic_transformer")
+def test_muon_learns_in_sync_and_an_adamw_checkpoint_is_refused_to_it(elastic):
+    """--optimizer muon at world 2: the loss falls and the replicas agree (every rank orthogonalizes the
+    same all-reduced gradient); its checkpoint resumes, and an AdamW checkpoint resumed with Muon is one line."""
+    work, runs = elastic
+    m = read_metrics(work / "muon.json")
+    assert m["val_loss"] < m["first_val_loss"] - 0.5 and m["replicas_in_sync"] is True, runs["muon"].stdout
+    assert "| muon |" in runs["muon"].stdout
+    r = runs["other"]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith(
+        "error: adamw.pt holds another optimizer's state than --optimizer muon's (") and errors[0].endswith(
+        "(pass the --optimizer that wrote it, or delete it to start afresh)"), r
+    assert "Traceback" not in r.stderr and not re.search(r"^step \d+", r.stdout, flags=re.MULTILINE)
 
 
 @pytest.mark.slow

@@ -522,9 +522,8 @@ def port_mixer(source):
     text = text.replace("Transformer(**config)", "CharMixer(**config)")
     start = text.index("    return {\"vocab_size\": len(vocab) if vocab else 100,")
     end = text.index("\n\n", start)
-    text = text[:start] + ('    return {"vocab_size": len(vocab) if vocab else 100, "d_model": args.d_model, '
+    return text[:start] + ('    return {"vocab_size": len(vocab) if vocab else 100, "d_model": args.d_model, '
                            '"num_layers": args.num_layers, "max_len": args.block_size}') + text[end:]
-    return text.replace("model.pos_encoding.max_len", "model.max_len")
 
 
 @pytest.mark.slow

@@ -681,6 +681,52 @@ def test_transformer_changing_token_t_changes_no_logit_before_t(device, amp):
         assert (before[:, t:] - after[:, t:]).abs().max() > 1e-3, f"token {t} changed nothing at or after {t}"
 
 
+def test_rotary_positions_make_a_score_depend_on_the_distance_alone():
+    """rotate turns q_t and k_s so that q_t . k_s depends on t - s: the same pair of vectors scores
+    alike at (t, s) and (t + 7, s + 7), and differently at another distance; it keeps lengths."""
+    torch.manual_seed(0)
+    q, k = torch.randn(64), torch.randn(64)
+    x = torch.stack([q, k]).view(2, 1, 1, 64).expand(2, 1, 40, 64)  # the same vectors at every position
+    rq, rk = ddp_transformer.rotate(x[:1])[0, 0], ddp_transformer.rotate(x[1:])[0, 0]
+    assert torch.allclose(rq.norm(dim=-1), q.norm().expand(40), rtol=1e-5)
+    assert torch.allclose(rq[10] @ rk[3], rq[17] @ rk[10], rtol=1e-4)
+    assert not torch.allclose(rq[10] @ rk[3], rq[10] @ rk[4], rtol=1e-2)
+    odd = torch.randn(1, 1, 5, 3)  # the seed's toy heads are 3 wide: the last channel stays as it is
+    assert torch.equal(ddp_transformer.rotate(odd)[..., 2], odd[..., 2])
+
+
+def test_muon_steps_as_torch_muon_and_adamw_do():
+    """--optimizer muon's one optimizer: Muon's step on the marked matrices (torch.optim.Muon's, with
+    match_rms_adamw), AdamW's on the rest, and a state_dict that loads back; the orthogonalized step
+    has every singular value near 1."""
+    torch.manual_seed(0)
+    made = [torch.randn(48, 24, requires_grad=True), torch.randn(24, requires_grad=True)]
+    copies = [t.detach().clone().requires_grad_() for t in made]
+    mine = ddp_transformer.Muon([{"params": made[:1], "muon": True, "weight_decay": 0.1},
+                                 {"params": made[1:], "weight_decay": 0.1}], lr=2e-3)
+    theirs = [torch.optim.AdamW(copies[1:], lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)]
+    if hasattr(torch.optim, "Muon"):  # torch 2.9 and later
+        theirs.append(torch.optim.Muon(copies[:1], lr=2e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))
+    for _ in range(4):
+        grads = [torch.randn_like(t) for t in made]
+        for t, c, g in zip(made, copies, grads):
+            t.grad, c.grad = g.clone(), g.clone()
+        mine.step()
+        for optimizer in theirs:
+            optimizer.step()
+    assert torch.allclose(made[1], copies[1], atol=1e-6)
+    if len(theirs) == 2:
+        assert torch.allclose(made[0], copies[0], atol=5e-4)  # both orthogonalize in bf16, in their own order
+    singular = torch.linalg.svdvals(ddp_transformer.orthogonalize(torch.randn(48, 24)).float())
+    assert singular.min() > 0.5 and singular.max() < 1.5, singular
+    again = ddp_transformer.Muon(mine.param_groups, lr=2e-3)
+    again.load_state_dict(mine.state_dict())
+    loaded, saved = again.state_dict(), mine.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"] and list(loaded["state"]) == [0, 1]
+    assert torch.equal(loaded["state"][0]["momentum"], saved["state"][0]["momentum"])
+    assert torch.equal(loaded["state"][1]["exp_avg_sq"], saved["state"][1]["exp_avg_sq"])
+
+
 # ---------------------------------------------------------------- gradient accumulation
 def counting_allreduce(calls, bucket):
     """DDP's own all-reduce hook, counting the buckets it sends."""
