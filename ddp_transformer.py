@@ -52,7 +52,7 @@ several 25 MB buckets; this one fits in one). On CPU, --compile shows how, not s
 Over the seed this fixes the attention mask (the seed's hides the past and shows the
 future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead, on any
 device, and no mask is built on the CPU), trains on real text instead of constant
-rows, and adds what real training needs: AdamW, gradient clipping, a warmup + cosine
+rows, and adds what real training needs: AdamW (or Muon), gradient clipping, a warmup + cosine
 schedule, gradient accumulation with `no_sync()`, AMP, torch.compile, exact distributed
 validation, tokens/s, FLOP/s and MFU, and checkpoints that resume mid-epoch at any world
 size: the place in the epoch is counted in windows of the epoch's order, and the global
