@@ -863,6 +863,7 @@ def test_transformer_default_run_learns_a_new_text_at_any_world_size(launch, scr
     assert m["val_loss"] < entropy_nats(text), (m["val_loss"], entropy_nats(text))
 
 
+@pytest.mark.slow  # the default suite's budget: the toy run is run.sh's transformer-toy mode too
 def test_transformer_toy_loss_falls(launch, script, torchrun, metrics, tmp_path):
     # --peak_tflops: the MFU against 2 devices of 0.5 TFLOP/s each (issue 17), in each log line and the metrics
     out = launch(torchrun2(torchrun, script, "--dataset", "toy", "--epochs", "30", "--metrics", "m.json",
