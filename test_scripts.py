@@ -112,6 +112,7 @@ def test_restart_mode_ends_with_the_weights_of_the_uninterrupted_run(run_sh):
         assert torch.allclose(resumed["model"][name], value, rtol=1e-5, atol=1e-6), name
 
 
+@pytest.mark.slow  # the default suite's budget; CI runs the slow tier too
 def test_two_spawn_jobs_at_once_and_steps_per_epoch(script, tmp_path):
     """Two mp.spawn jobs started at the same moment (each picks its own free port) both finish, and
     steps per epoch = ceil(2048 / (32 x processes)) on every rank: 64 for the job of 1 process, 22 for
@@ -888,7 +889,7 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
                                                      capsys):
     """run.sh's transformer mode (2 ranks, 60 steps = 1 epoch and 7 steps) ends with a mid-epoch checkpoint
     that loads with weights_only into a fresh model giving exactly the reported validation loss; resumed
-    under --amp fp16 by one process it keeps the global batch, trains 4 more steps (a fresh GradScaler,
+    under --amp fp16 by one process it keeps the global batch, trains 1 more step (a fresh GradScaler,
     said once) and saves its place again."""
     m1 = mode_metrics(run_sh, "transformer")
     shutil.copy(run_sh.work / "transformer" / "ddp_transformer.pt", tmp_path / "ck.pt")
@@ -909,7 +910,7 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     totals = ddp_transformer.evaluate(model.eval(), val_set, range(len(val_set)), 64, contextlib.nullcontext())
     assert (totals[0] / totals[1]).item() == pytest.approx(m1["val_loss"], rel=1e-5)
 
-    steps = m1["steps"] + 4
+    steps = m1["steps"] + 1  # fp16 on a CPU is slow: one step shows the resume
     # resumed by plain python, a world of one: the global batch of 2 x 8 windows is kept (2 micro-batches)
     out = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--checkpoint", "ck.pt", "--resume",
                   "--max_steps", steps, "--sample", "0", "--amp", "fp16", "--metrics", "m2.json"], timeout=300)
@@ -918,7 +919,7 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     assert out.stdout.count("global batch kept: 16 windows a step") == 1, out
     assert "here 1 process x --batch_size 8 x --grad_accum 2" in out.stdout, out
     assert out.stdout.count("holds no fp16 loss scale: the GradScaler starts afresh") == 1, out
-    assert m2["resumed_from_epoch"] == state["epoch"] and m2["steps"] == 4, m2
+    assert m2["resumed_from_epoch"] == state["epoch"] and m2["steps"] == 1, m2
     # continued, not restarted: an untrained model starts near the first validation loss (4.8 on this corpus)
     assert m2["first_loss"] < m1["first_val_loss"] - 1, (m1, m2["losses"])
     assert m2["amp"] == "fp16" and m2["replicas_in_sync"] is True, m2
