@@ -624,7 +624,8 @@ def make_optimizer(model, args):
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
     if args.optimizer == "muon":  # the blocks' matrices by Muon, the embedding and the output layer by AdamW
         blocks = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
-        decay = [p for p in decay if id(p) not in set(map(id, blocks))]
+        taken = {id(p) for p in blocks}
+        decay = [p for p in decay if id(p) not in taken]
         return Muon([{"params": blocks, "muon": True, "weight_decay": 0.1},
                      {"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=args.lr)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
@@ -657,7 +658,8 @@ class Muon(torch.optim.Optimizer):
             lr, decay, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
             for p in (p for p in group["params"] if p.grad is not None):
                 grad, state = p.grad, self.state[p]
-                p.mul_(1 - lr * decay)  # decoupled weight decay, as AdamW's
+                if decay:
+                    p.mul_(1 - lr * decay)  # decoupled weight decay, as AdamW's
                 if group["muon"]:
                     momentum = state.setdefault("momentum", torch.zeros_like(p))
                     momentum.lerp_(grad, 1 - group["momentum"])
