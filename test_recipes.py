@@ -39,7 +39,7 @@ EVERY = (DETAIL_GROUP, FLIGHT, UNUSED, TOGETHER, RELEASE, ATOMIC, STORE)
 # torch's flight-recorder analyzer, as a user runs it: the `torchfrtrace` installed beside torchrun
 ANALYZER = next(([str(p)] for p in [Path(sys.executable).parent / "torchfrtrace"] if p.exists()),
                 [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"])
-TIMEOUT = 5  # seconds a collective waits: the skipped backward's ranks give up after it
+TIMEOUT = 5  # seconds DDP's group and the skipped step's group wait: the ranks give up after it
 
 
 def block(heading):
@@ -196,15 +196,16 @@ def wait_for_peer(work):
         time.sleep(0.05)
 
 
-def skip_alone(model, skipper, work):
+def skip_alone(model, skipper, work, timeout):
     """The bug the recipes fix: one rank skips backward() alone, and both wait until the timeout."""
+    short = dist.new_group(timeout=timeout)  # checked, and it gives up sooner than the default group
     loss = F.mse_loss(model(batch(7)[0]), batch(7)[1])
     try:
         if dist.get_rank() == skipper:
             say("skips backward() alone")
         else:
             loss.backward()  # the backward the skipping rank never joins
-        dist.all_reduce(loss.detach())
+        dist.all_reduce(loss.detach(), group=short)
     except RuntimeError as e:
         say("gave up:", str(e).splitlines()[0])
         dump_trace(f"{work}/fr")
@@ -242,12 +243,12 @@ def train(work, timeout, skipper, kept):
         dist.all_reduce(torch.zeros(2 + dist.get_rank()))  # 2 numbers on rank 0, 3 on rank 1
     except RuntimeError as e:
         say("mismatch caught:", str(e).splitlines()[0][:200])
-    skip_alone(model, skipper, work)
+    skip_alone(model, skipper, work, timeout)
 
 
 def main(work, skipper):
-    timeout = timedelta(seconds=float(os.environ["RECIPE_TIMEOUT"]))
-    join_process_group("gloo", timeout)
+    join_process_group("gloo", timedelta(seconds=60))  # the start of two busy processes may lag by seconds
+    timeout = timedelta(seconds=float(os.environ["RECIPE_TIMEOUT"]))  # DDP's group and the skipped step's
     kept = []
     try:
         train(work, timeout, skipper, kept)
