@@ -363,7 +363,7 @@ def main(rank, args):
     """One DDP process; mp.spawn passes the rank first. Rank 0 hands its record to the parent."""
     device = setup(rank, args)
     try:
-        with explained_failures(args.timeout, None):
+        with explained_failures(args.timeout):
             record = train_ddp(device, args)
         if rank == 0:
             write_json(args.ddp_record, record)
@@ -400,10 +400,10 @@ def print_comparison(single, ddp):
         ("peak memory per process", lambda r: f"{r['peak_memory_mb']:.0f} MB ({r['peak_memory_kind']})"),
         ("batch per process", lambda r: f"{r['batch_size_per_process']} (global {r['batch_size']})"),
     ]
-    say(f"\n{'':28} {describe(single):>28} {describe(ddp):>28}")
+    print0(f"\n{'':28} {describe(single):>28} {describe(ddp):>28}")
     for name, cell in rows:
-        say(f"{name:28} {cell(single):>28} {cell(ddp):>28}")
-    say(f"ddp / {single['mode']} throughput: {ddp['steady_samples_per_s'] / single['steady_samples_per_s']:.2f}x; "
+        print0(f"{name:28} {cell(single):>28} {cell(ddp):>28}")
+    print0(f"ddp / {single['mode']} throughput: {ddp['steady_samples_per_s'] / single['steady_samples_per_s']:.2f}x; "
         f"final losses differ by {abs(ddp['final_loss'] - single['final_loss']):.2e} "
         f"(same global batches; only the float summation order differs)\n")
 
@@ -418,7 +418,7 @@ def report(records, args):
     runs = " vs ".join(f"{describe(r)} {r['steady_samples_per_s']:.0f} samples/s, loss {r['first_loss']:.4f} -> "
                        f"{r['final_loss']:.4f}, test acc {r['test_accuracy']:.3f}" for r in records)
     in_sync = all(r["replicas_in_sync"] for r in records)
-    say(f"done: {summary['script']} | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {runs} | "
+    print0(f"done: {summary['script']} | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {runs} | "
         f"replicas {'in sync' if in_sync else 'DIFFER'}")
     if not in_sync:
         sys.exit(1)
@@ -440,80 +440,52 @@ def run(args):
 
 
 # =============================================================================
-# ---- harness: identical in every script; not part of the lesson ----
-# What makes the lesson above robust, byte for byte the same in every file of the
-# collection (a test compares the copies), so it is read once and skipped after:
-# one-write printing, one-line errors, the rendezvous port, CPU threads, the device
-# and backend choice, timeouts and Ctrl-C, DDP released before the process group,
-# the replica check, atomic writes, a safe checkpoint read, and the spawn launcher.
+# ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
+# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import argparse
 import contextlib
 import gc
-import inspect
 import json
 import logging
 import multiprocessing
 import os
-import pickle
 import re
 import signal
 import socket
-import stat
-import struct
 import sys
 import threading
 import time
 import traceback
-import zipfile
 from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.utils.distributed import get_free_port
 
 
-class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's `(default: X)` after each option's help, except where the help states its default itself
-    (said once, not twice) or there is none to state (None, or False for a switch)."""
-
-    def _get_help_string(self, action):
-        said = "default" in (action.help or "").replace("'s default", "")
-        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
-
-
-def say(line, file=None):
-    """Print one line in one write, so lines of concurrent ranks never run into each other
-    (with PYTHONUNBUFFERED=1 print() writes the text and the newline separately)."""
-    file = file or sys.stdout
-    file.write(f"{line}\n")
-    file.flush()
+# ---- recipe: printing: one line in one write, on rank 0 only unless every_rank
+def print0(line, file=None, every_rank=False):
+    """In one write: print() writes the text and the newline apart under PYTHONUNBUFFERED=1, and the
+    lines of concurrent ranks run into each other."""
+    if every_rank or (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        file = file or sys.stdout
+        file.write(f"{line}\n")
+        file.flush()
 
 
-def global_rank():
-    """This process's rank: from the process group once joined, else from the launcher's environment."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+def plural(count, noun):
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
 
 
-def print0(line):
-    """Print on global rank 0 only."""
-    if global_rank() == 0:
-        say(line)
-
-
+# ---- recipe: errors (needs printing): bad input is one line `error: what (fix)` and exit code 2
 def fail(what, fix, every_rank=False, every_node=False):
-    """Bad input: one line `error: what (fix)` on stderr and exit code 2, never a traceback.
-
-    What every rank sees alike is said by rank 0 alone. The other ranks then wait to be
-    stopped: torchrun and mp.spawn end a job's other processes as soon as one exits, so a
-    rank that left first would get rank 0 killed before it had said why. `every_rank`:
-    what only this process can see (its device) is said by this process. `every_node`: what
-    one machine sees (its files) is said there once, by its LOCAL_RANK 0, so a node that
-    lacks a file says so itself and a single machine still prints one line.
-    """
-    rank = global_rank()
-    first_on_node = int(os.environ.get("LOCAL_RANK", rank)) == 0  # unset: all ranks on one machine
-    if rank == 0 or every_rank or (every_node and first_on_node):
+    """Said once: by rank 0 (the others wait to be stopped: one that left first would get rank 0 killed
+    before it said why); every_rank: by each (its device); every_node: by each machine's LOCAL_RANK 0 (its files)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
         time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
@@ -521,145 +493,102 @@ def fail(what, fix, every_rank=False, every_node=False):
 
 
 def report_error(line):
-    """Say `line` on stderr and, under torchrun, hand it to torchrun as this worker's error (the file
-    named by TORCHELASTIC_ERROR_FILE, in the format torch.distributed.elastic's @record writes): its
-    report then shows our line as the root cause instead of `To enable traceback see: ...`.
-
-    torchrun names as root cause the failure with the earliest timestamp, in whole seconds, and on a
-    tie the lowest local rank. A peer ended by our exit is stamped when torchrun notices, often in the
-    same second, so ours is stamped one second earlier: the rank that found the problem comes first.
-    """
-    say(line, sys.stderr)
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
+    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it."""
+    print0(line, sys.stderr, every_rank=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         stamp = str(int(time.time()) - 1)
-        with contextlib.suppress(OSError):
-            with open(path, "w") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
 
 
-def refuse_launcher_flags(argv=None):
-    """A torchrun script given mp.spawn's --nprocs, or torchrun's own flags after the script's name:
-    one line on how to launch it, not argparse's usage and `unrecognized arguments`."""
-    script = os.path.basename(__file__)
-    for arg in map(str, sys.argv[1:] if argv is None else argv):
-        flag = arg.split("=")[0]
-        if flag == "--nprocs":
-            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
-                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
-        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
-            fail(f"{flag} is torchrun's flag, given to {script}",
-                 f"put it before the script's name: torchrun {arg} {script} ...")
+# ---- recipe: arguments (needs errors): help that states defaults, and checks before any process starts
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after each option's help, unless the help states it or there is none (None, False)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
 
 
 def check_positive(args, *names):
-    """Every named argument (when given) must be above 0."""
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            fail(f"--{name} must be positive, got {value}", f"pass a --{name} above 0")
+    for name in (n for n in names if getattr(args, n) is not None and not getattr(args, n) > 0):
+        fail(f"--{name} must be positive, got {getattr(args, name)}", f"pass a --{name} above 0")
 
 
 def check_folders(*paths):
     """Output paths must lie in existing folders: found now, not after an hour of training."""
-    for path in paths:
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+    for path in (p for p in paths if p and not os.path.isdir(os.path.dirname(os.path.abspath(p)))):
+        fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
 
 
-def device_plan(kind, backend="auto", bf16=False):
-    """The device choice as a pure function of the device type, so that a CPU can test every type.
-
-    kind: "cpu", or the accelerator type torch reports (cuda, xpu, hpu, npu, mps, ...); each
-    process then takes the device of its LOCAL_RANK (torch.accelerator.set_device_index).
-    backend "auto": torch's default for the type (get_default_backend_for_device: nccl on cuda,
-    xccl on xpu, gloo on cpu; hccl on hpu and npu once their plugins have registered it); a
-    backend fits when torch's Backend.backend_capability lists the type. bf16: the device
-    computes bfloat16 natively. Returns {"backend", "amp": what --amp auto means there,
-    "problem": (what, fix) when no job can run so, else None}.
-    """
-    amp = "bf16" if bf16 else "off" if kind == "cpu" else "fp16"  # fp16 with a GradScaler; slow on CPUs
+# ---- recipe: device (needs errors, printing): the device, its backend, bf16, CPU threads
+def resolve_device(args, here=None):
+    """--device and --backend `auto` made concrete: torch.accelerator's device (`here`: take it to be of
+    that type), else the CPU, and torch's default backend there; a backend fits the types torch lists."""
+    found = torch.accelerator.current_accelerator(check_available=True)
+    here = here or (found.type if found is not None else "cpu")
+    args.device = kind = here if args.device == "auto" else args.device
+    if kind not in ("cpu", here):
+        fail(f"--device {kind} but " + (f"this machine's accelerator is {here}" if here != "cpu" else
+                                        "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if kind == "cuda" else " or auto"))
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
     try:
         default = dist.get_default_backend_for_device(kind)
     except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
         default = None
-    chosen = default if backend == "auto" else backend
-    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
-    problem = None
-    if chosen is not None and chosen not in carries:
-        problem = (f"unknown backend {chosen!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
-    elif chosen is not None and kind in carries[chosen]:
-        pass
-    elif default is not None and kind in carries[default]:
-        problem = (f"--backend {chosen} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
-    elif default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
-        problem = (f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
-                   f"{' and '.join(carries[default])} tensors", "use --device cpu")
-    else:  # mps too where torch maps no backend to it (torch 2.7): no package adds one
-        problem = (f"torch has no multi-process backend for {kind}", "use --device cpu" + (
-            "" if kind == "mps" else f", or install the package that adds {kind} to torch"))
-    return {"backend": chosen, "amp": amp, "problem": problem}
-
-
-def resolve_device(args):
-    """--device and --backend `auto` made concrete: torch.accelerator's device, else the CPU, and the
-    device's default backend. A device the machine lacks, or a backend that does not fit it, is one
-    error line. (LOCAL_RANK is checked once the launcher's values are complete: prepare_rendezvous.)"""
-    found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
-    here = found.type if found is not None else "cpu"
-    args.device = here if args.device == "auto" else args.device
-    if args.device not in ("cpu", here):
-        fail(f"--device {args.device} but " + (f"this machine's accelerator is {here}" if found else
-                                                "no GPU or other accelerator is visible"),
-             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if args.device == "cuda" else " or auto"))
-    plan = device_plan(args.device, args.backend)
-    if plan["problem"]:
-        fail(*plan["problem"])
-    args.backend = plan["backend"]
-    return args
-
-
-def bf16_supported(device, emulated=False):
-    """Whether this process's device computes in bfloat16; ask after set_device_index, it asks the
-    current device. Emulated bf16 (CUDA before Ampere) is slower than fp16 with a GradScaler, so it
-    counts only with `emulated`. Accelerators: their module's own check (torch.cuda, torch.xpu, a
-    plugin's); the CPU: its bf16 instructions (oneDNN runs bf16 autocast slower than fp32 without)."""
-    if device.type == "cpu":
-        if not hasattr(torch.cpu, "get_capabilities"):  # torch 2.7 cannot ask the CPU
-            if not emulated:
-                print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
-                       "natively (no torch.cpu.get_capabilities): taken as not")
-            return emulated
-        caps = torch.cpu.get_capabilities()
-        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
-    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
-    if check is None:  # a module without the check: torch's own autocast default for the type
-        return torch.get_autocast_dtype(device.type) == torch.bfloat16
-    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
-        return bool(check(including_emulation=emulated))
-    return bool(check())
+    args.backend = default if args.backend == "auto" else args.backend
+    if args.backend is not None and args.backend not in carries:
+        fail(f"unknown backend {args.backend!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    if args.backend is not None and kind in carries[args.backend]:
+        return args
+    if default is not None and kind in carries[default]:
+        fail(f"--backend {args.backend} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    if default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        fail(f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+             f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    fail(f"torch has no multi-process backend for {kind}", "use --device cpu" + (
+        "" if kind == "mps" else f", or install the package that adds {kind} to torch"))
 
 
 def use_cpu_threads(procs_on_this_machine):
-    """Split the cores between the processes (oversubscribed cores halve throughput),
-    unless OMP_NUM_THREADS says otherwise."""
+    """The cores split between the processes (oversubscribed, they halve throughput), unless OMP_NUM_THREADS says."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine)))
-    torch.set_num_threads(threads)
-    return threads
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine))))
+    return torch.get_num_threads()
 
 
-def free_port():
-    """A port the OS says is free now: nothing is hard-coded, so two jobs can share a host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- recipe: rendezvous (needs errors): what init_process_group("env://") reads, for every launcher
+def prepare_rendezvous(args, spawning=False):
+    """spawning: mp.spawn's parent; else started by torchrun (it sets everything), `python -m
+    torch.distributed.launch` (--local-rank), by hand (RANK, WORLD_SIZE, MASTER_*), or plain `python`
+    (a world of one). A free port is picked only by the process that hosts the rendezvous."""
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        if spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0"):  # it hosts the store
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(get_free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":  # NCCL's watchdog aborts a stuck rank; its flight recorder first dumps the last
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # collectives: torchfrtrace /tmp -p nccl_trace_rank_
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
 
 
 def check_local_rank(device, named, count=None):
-    """LOCAL_RANK picks this process's device, so it must be one of this machine's `count` devices.
-    named: the launcher set LOCAL_RANK; a hand-made launch that did not is taken to run every rank
-    on this machine (LOCAL_RANK = RANK), which a second machine cannot hold."""
+    """LOCAL_RANK picks one of this machine's `count` devices. named: the launcher set it; else it is RANK
+    (every rank on this machine), which a second machine cannot hold."""
     if device == "cpu":
         return
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -675,11 +604,7 @@ def check_local_rank(device, named, count=None):
 
 
 def check_port_free(addr, port):
-    """Rank 0 hosts the rendezvous at MASTER_ADDR:MASTER_PORT; a port in use would fail late and obscurely.
-
-    SO_REUSEADDR, as the TCPStore that will listen there binds: a port that a finished run left
-    in TIME_WAIT (for about a minute) is free for it, while one that something listens on is not.
-    """
+    """Bound with SO_REUSEADDR, as the TCPStore binds: a port a finished run left in TIME_WAIT is free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -689,248 +614,68 @@ def check_port_free(addr, port):
                  "unset MASTER_PORT to let the script pick a free port, or choose another")
 
 
-def prepare_rendezvous(args, spawning=False):
-    """Complete the environment that init_process_group("env://") reads, for every launcher.
-
-    spawning: this is the parent of mp.spawn. Otherwise the process was started by torchrun
-    (which sets everything), by `python -m torch.distributed.launch` (--local-rank), by hand
-    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT per process), or by plain `python`: a world
-    of one. A port is picked only where this process is the one that hosts the rendezvous.
-    """
-    if getattr(args, "local_rank", None) is not None:
-        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
-    if not spawning and "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
-        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-        check_local_rank(args.device, named)  # the values this process will use, filled in
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    hosts_store = spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0")
-    if "MASTER_PORT" in os.environ:
-        if hosts_store:
-            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
-    elif spawning or os.environ.get("WORLD_SIZE") == "1":
-        os.environ["MASTER_PORT"] = str(free_port())
-    else:
-        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
-    if args.backend == "nccl":
-        # NCCL's watchdog, not Python, ends a collective that outlives --timeout: it aborts the
-        # process (SIGABRT), so no Python handler runs. First its flight recorder dumps each
-        # rank's last collectives to /tmp/nccl_trace_rank_<rank>, and `torchfrtrace /tmp -p
-        # nccl_trace_rank_` names the collective and the rank that never arrived (README).
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
-
-
-def attempt_store(rank, world_size, timeout):
-    """The store for init_process_group(store=...): under torchrun, a namespace of torchrun's store that
-    this attempt's processes alone use; elsewhere None (init_process_group then makes a store of its own).
-
-    torchrun (torch 2.5 on) keeps one store across the restarts of a job, and its workers use it
-    without a prefix of their own: a restarted rank would read the dead attempt's keys, gloo's
-    addresses or NCCL's unique id, and fail to connect or wait on a dead peer (pytorch#135712).
-    No variable torchrun sets tells the attempts apart on every node (TORCHELASTIC_RESTART_COUNT
-    counts each agent's own failures; a node that joins restarts everyone without counting), so
-    the attempt's number comes from the store itself (open_attempt, join_attempt). Bounded: ranks
-    that have not all joined within `timeout` seconds end the attempt with one error line.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store made for this attempt alone
-        return None
-    deadline = time.monotonic() + timeout
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
-    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
-        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
-            what = (f"{e} did not join this attempt's process group within --timeout {timeout:g} s (frozen, or not "
-                    "started on its node; raise --timeout if starting takes longer)" if isinstance(e, TimeoutError)
-                    else f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
-            report_error(f"error: {what}" + (f" [rank {rank}]" if rank else ""))
-        else:
-            time.sleep(30)  # bounded; torchrun stops this process once rank 1 has exited
-        raise SystemExit(1) from None
-    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
-
-
-def open_attempt(store, world_size, deadline):
-    """Rank 0: open attempt n (an atomic add: no earlier attempt had n) and answer each rank's request
-    (join_attempt) with it, whatever is found under that rank, a dead attempt's request too, until
-    every rank has said it joined n. Returns n; TimeoutError naming the ranks missing at `deadline`."""
-    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
-    while missing:
-        for r in sorted(missing):
-            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
-            if asked is not None and answered.get(r) != asked:
-                store.set(f"harness/answer/{asked.decode()}", str(attempt))
-                answered[r] = asked
-            if store.check([f"harness/joined/{attempt}/{r}"]):
-                missing.discard(r)
-        if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
-        if missing:
-            time.sleep(0.05)
-    return attempt
-
-
-def join_attempt(store, rank, deadline):
-    """Any other rank: ask for the attempt's number under a nonce of its own and take only the answer to
-    that nonce, so an answer meant for a dead attempt's rank is never read; then say it joined."""
-    nonce = os.urandom(8).hex()
-    store.set(f"harness/ask/{rank}", nonce)
-    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
-        if time.monotonic() > deadline:
-            raise TimeoutError("rank 0")
-        time.sleep(0.05)
-    attempt = int(store.get(f"harness/answer/{nonce}"))
-    store.set(f"harness/joined/{attempt}/{rank}", "1")
-    return attempt
-
-
-def stop_on_interrupt(checkpoint=None):
-    """Watch for Ctrl-C in this process. Returns {"sigint": True once it came, "said": True once said}.
-
-    The first SIGINT has rank 0 say at once what was kept, before a peer that stopped first or the
-    launcher can end it, then raises KeyboardInterrupt, which unwinds to explained_failures (a
-    checkpoint being written is removed on the way). Raised where an error is already on its way
-    there, say the failed collective of a peer that stopped first, it would replace that error,
-    and in a `with` statement's exit pass explained_failures by: so there the signal is sent again
-    0.2 s later, in case that error is caught on its way (raise_signal would run this handler
-    again at once, inside itself). Once KeyboardInterrupt is raised, further SIGINTs
-    are ignored; a process whose SIGINT was ignored when it started (a background job) keeps ignoring it.
-    """
-    interrupted = {"sigint": False, "said": False}
-
-    def on_sigint(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # none inside this one (mp.spawn's parent signals again)
-        if not interrupted["sigint"] and global_rank() == 0:
-            with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
-                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
-                interrupted["said"] = True
-        interrupted["sigint"] = True
-        if sys.exc_info()[1] is not None:  # an error under way: let it reach explained_failures first,
-            signal.signal(signal.SIGINT, on_sigint)  # and come back if it does not
-            again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-            again.daemon = True
-            again.start()
-            return
-        raise KeyboardInterrupt
-
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, on_sigint)
-    return interrupted
-
-
-def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH`, or that there is none: what an interrupted run leaves.
-    mmap: only the counter is read, not every tensor of a large checkpoint on the way out. A folder
-    of sharded saves is described by its pointer, `latest.json` (JSON), which names the save that counts."""
-    try:
-        if path and os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, "latest.json")):  # none, or a FIFO that would hang the read
-                raise OSError("no pointer")
-            with open(os.path.join(path, "latest.json"), encoding="utf-8") as f:
-                state = json.load(f)
-            path = os.path.join(path, str(state["folder"])) if isinstance(state, dict) else path
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True) \
-                if path and check_archive(path) is None else None
-    except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError, zipfile.BadZipFile):
-        state = None
-    if not isinstance(state, dict):
-        return "no checkpoint kept"
-    where = where_checkpoint_is(state)
-    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
-
-
-def where_checkpoint_is(state):
-    """`step 50` or `epoch 3`: how far the run that wrote the checkpoint `state` got ('' if it does not say)."""
-    for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch")):
-        if isinstance(state.get(key), int):
-            return f"{unit} {state[key]}"
-    return ""
-
-
-def continue_checkpoint(path, resume):
-    """Whether this run continues from checkpoint `path`. Asked (--resume): yes, and a missing file is
-    one error line. Unasked: only this job's own checkpoint (resumes_this_job: torchrun restarted the
-    job, or a node joined or left). Any other file there is neither continued nor overwritten without a
-    word: one error line says what it holds, which run wrote it, and the ways on."""
-    if not path or not os.path.exists(path):
-        if resume:
-            fail(f"--resume but there is no checkpoint at {path}",
-                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
-        return False
-    if resume or resumes_this_job(path):
-        return True
-    try:
-        check_archive(path)  # a FIFO would hang the read
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        job = state.get("job")
-        found = (f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
-                 + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
-                    else f"torchrun job {job}")
-                 + f" at world size {state.get('world_size', '?')}")
-    except Exception:  # unreadable, or not a dict: still not ours to overwrite unasked
-        found = "a file that is not a checkpoint this script can read"
-    fail(f"{path} holds {found}, not this job's",
-         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
-
-
+# ---- recipe: failures (needs errors, printing): Ctrl-C and a failed collective as one line each
 @contextlib.contextmanager
-def explained_failures(timeout, checkpoint=None):
-    """Around one process's training: turn the ways a job ends early into one line each.
-
-    A collective that failed (gloo) is explained by explain_collective_failure: a rank that
-    did not arrive, ranks that called different collectives, or a rank that was lost; the
-    line ends with the checkpoint a rerun resumes from. (On NCCL the watchdog aborts the
-    process first; see prepare_rendezvous.) Ctrl-C: rank 0 prints `interrupted (...)` and every
-    process leaves at once with exit code 130. A checkpoint being written was already removed
-    on the way here (save_checkpoint is atomic), and a clean shutdown is not attempted: with
-    the peers gone, releasing DDP's reducer can wait on them for seconds.
-    """
-    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) \
-        if dist.get_backend() == "gloo" else None
-    interrupted = stop_on_interrupt(checkpoint)
+def explained_failures(timeout, kept=None):
+    """A failed gloo collective: explain_collective_failure's line (NCCL's watchdog aborts first), ending with
+    kept(): what a rerun resumes from. Ctrl-C: rank 0 says `interrupted (...)`, all leave at once with 130
+    (no clean shutdown: with the peers gone, releasing DDP's reducer can wait on them for seconds)."""
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if dist.get_backend() == "gloo" else None
+    kept = kept or (lambda: "no checkpoint kept")
+    interrupted = stop_on_interrupt(kept)
     try:
         yield
     except (KeyboardInterrupt, RuntimeError) as error:
-        # a peer that stopped first can fail our collective before our own SIGINT is seen: Ctrl-C
-        # reaches every process at once (torchrun sends it to each in turn), so wait for it a moment
-        # before the failure is explained (seconds of waiting on the peers); a Ctrl-C all the same
-        if not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt):
-            time.sleep(0.5)
-        line = explain_collective_failure(error, health, timeout) \
-            if health is not None and not interrupted["sigint"] and not isinstance(error, KeyboardInterrupt) else None
+        # Ctrl-C reaches the processes one by one: a peer that stopped first can fail our collective before
+        # our own SIGINT is seen, so wait a moment for it before explaining the failure
+        time.sleep(0 if interrupted["sigint"] or isinstance(error, KeyboardInterrupt) else 0.5)
         if interrupted["sigint"] or isinstance(error, KeyboardInterrupt):
-            if global_rank() == 0 and not interrupted["said"]:
-                say(f"interrupted (Ctrl-C): {describe_checkpoint(checkpoint)}")
+            if not interrupted["said"]:
+                print0(f"interrupted (Ctrl-C): {kept()}")
             sys.stderr.flush()
             os._exit(130)
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
         if line is None:
             raise
         if line:
-            report_error(f"error: {line}; {describe_checkpoint(checkpoint)} [rank {global_rank()}]")
+            report_error(f"error: {line}; {kept()} [rank {dist.get_rank()}]")
         elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
             time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
         raise SystemExit(1) from None
 
 
-def explain_collective_failure(error, health, timeout):
-    """What a failed gloo collective means, as one line; "" where another rank says it; None: not one.
+def stop_on_interrupt(kept):
+    """{"sigint": True once Ctrl-C came, "said": True once rank 0 said kept()}: said at once, before a peer or
+    the launcher ends this process, then KeyboardInterrupt; where an error is already on its way, the
+    signal comes again 0.2 s later instead, in case that error is caught. Later SIGINTs are ignored."""
+    interrupted = {"sigint": False, "said": False}
 
-    A timeout: a monitored barrier over the second group `health` (whose connections the failure
-    left open) names the ranks that did not arrive; where every rank answers, none was stuck, so
-    they called different collectives, and each rank's call is gathered. TORCH_DISTRIBUTED_DEBUG
-    =DETAIL's check names both sides itself. A connection reset or closed: a peer was lost; the
-    ranks that still answer through the rendezvous store (which outlives gloo's connections)
-    tell which, and the lowest of them says it.
-    """
-    text, rank = str(error), global_rank()
+    def on_sigint(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # none inside this one (mp.spawn's parent signals again)
+        if not interrupted["sigint"] and (not dist.is_initialized() or dist.get_rank() == 0):
+            with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
+                print0(f"interrupted (Ctrl-C): {kept()}")
+                interrupted["said"] = True
+        interrupted["sigint"] = True
+        if sys.exc_info()[1] is None:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_sigint)
+        again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        again.daemon = True
+        again.start()
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a background job keeps ignoring it
+        signal.signal(signal.SIGINT, on_sigint)
+    return interrupted
+
+
+def explain_collective_failure(error, health, timeout):
+    """One line ("" where another rank says it, None: not a collective's failure). A timeout: a monitored
+    barrier over `health` names who did not arrive; all did: they called different collectives. A connection
+    closed: a peer was lost; the roll call through the store (it outlives gloo) says which."""
+    text, rank = str(error), dist.get_rank()
     roll_call()
-    sites = "; to see where they parted: TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)"
-    if "Detected mismatch between collectives" in text:  # every rank's check sees it: all gather
+    if "Detected mismatch between collectives" in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL's check, on every rank
         where = call_sites(error, health)
         return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
     if "connection reset" in text.lower() or "connection closed" in text.lower():
@@ -949,12 +694,13 @@ def explain_collective_failure(error, health, timeout):
         return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
     where = call_sites(error, health)
     return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
-            f"was lost or frozen: the ranks called different collectives ({where}){sites}") if rank == 0 else ""
+            f"was lost or frozen: the ranks called different collectives ({where}); to see where they parted: "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)") if rank == 0 else ""
 
 
 def mismatch_of(text):
-    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in
-    Tensor shapes: 4 vs 3` from the text of TORCH_DISTRIBUTED_DEBUG=DETAIL's collective check."""
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in Tensor
+    shapes: 4 vs 3` from DETAIL's text."""
     sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
                        r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
     described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
@@ -965,79 +711,50 @@ def mismatch_of(text):
 
 
 def call_sites(error, health=None):
-    """Where this script called the collective that failed: "rank 0 in `dist.barrier()` (train.py:80
-    in save)", the innermost frame of this file; with `health`, every rank's, gathered over it."""
+    """"rank 0 in `dist.barrier()` (train.py:80 in save)": this file's innermost frame; with `health`, every rank's."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
-    mine = f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})" \
-        if frames else "an unknown call"
-    every = [mine]
+    every = [f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})"
+             if frames else "an unknown call"]
     if health is not None:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine, group=health)
+        every = every * dist.get_world_size()
+        dist.all_gather_object(every, every[0], group=health)
     ranks = {}
     for r, site in enumerate(every):
-        ranks.setdefault(site, []).append(str(r if health is not None else global_rank()))
+        ranks.setdefault(site, []).append(str(r if health is not None else dist.get_rank()))
     return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
 
 
 def roll_call(seconds=0.0):
-    """Answer the roll call through the rendezvous store (it outlives gloo's connections), then return the
-    ranks that have answered within `seconds`: every rank whose collective failed answers at once, so a
-    rank that then exits is not taken for lost. None when the store itself is gone."""
+    """Answer through the rendezvous store; the ranks that answered within `seconds` (None: the store is gone)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        keys = [f"{prefix}{r}" for r in range(dist.get_world_size())]
-        store.set(keys[global_rank()], "1")
+        keys = [f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{r}"
+                for r in range(dist.get_world_size())]
+        store.set(keys[dist.get_rank()], "1")
         if seconds:
-            try:
+            with contextlib.suppress(RuntimeError):  # DistStoreError: a rank that never answers, the one we look for
                 store.wait(keys, timedelta(seconds=seconds))
-            except RuntimeError:  # DistStoreError: a rank that never answers, the one we look for
-                pass
         return [r for r, key in enumerate(keys) if store.check([key])]
     except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
         return None
 
 
-def check_same_on_every_rank(value, what, fix):
-    """Every rank must hold the same integer (say, the epoch it resumes from); one error line if not."""
-    # a backend that carries only accelerator tensors (nccl, xccl, hccl) gathers on this process's device
-    on_cpu = "cpu" in dist.Backend.backend_capability.get(dist.get_backend(), ["cpu"])
-    device = None if on_cpu else torch.device(torch.accelerator.current_accelerator().type,
-                                              torch.accelerator.current_device_index())
-    every = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, torch.tensor([value], device=device))
-    if len({int(v) for v in every}) > 1:
-        fail(f"the ranks' {what} differ: {[int(v) for v in every]}", fix)
-
-
+# ---- recipe: release: DDP's reducer freed before the process group is destroyed
 def release_ddp():
-    """Free DDP's reducer before the process group is destroyed.
-
-    Destroying the group while a DDP model is alive can abort the process at exit
-    ("terminate called without an active exception"): clear the frames of a failed run,
-    whose locals may still hold the model, then collect the garbage.
-    """
+    """Else the process can abort at exit ("terminate called without an active exception"): the frames of
+    a failed run's whole error chain may hold the model."""
     error = sys.exc_info()[1]
-    while error is not None:  # the whole chain: a re-raised error keeps the first one's frames
+    while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
     gc.collect()
 
 
+# ---- recipe: replica check (needs printing): every rank's parameters equal, bit for bit
 def replicas_in_sync(model, device):
-    """True when every rank's parameters equal those of the ranks that hold the same values, bit for bit.
-
-    One parameter at a time, so the check never holds more than one parameter's copy. A plain
-    parameter (DDP: every rank holds it whole) is broadcast by rank 0 and compared (torch.equal) on
-    every rank: exact, where sums of the weights can differ in the last bit between GPU models, or
-    coincide for different weights. A sharded one (FSDP2's DTensor) is compared only across the ranks
-    its mesh replicates it over (HSDP); where the mesh only shards, no rank holds another's values
-    and what is checked is that the shards tile the parameters (their sizes add up to the model's).
-    The fingerprint printed (the sum of x * sin(i) over the parameters, i each value's index in the
-    whole model; each value counted once, by its first holder) lets a reader tell runs apart, and is
-    the same, to rounding, whether the model is sharded or not. Nothing is gathered whole.
-    """
+    """A parameter at a time, broadcast by its first holder, compared by torch.equal (sums can differ in the
+    last bit between GPUs, or coincide); a DTensor (FSDP2) across the ranks its mesh replicates it over, and
+    its shards must tile it. The fingerprint, sum(x * sin(i)) over the whole model, is the same sharded or not."""
     same, base, whole = True, 0, 0
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
     for p in model.parameters():
@@ -1051,19 +768,17 @@ def replicas_in_sync(model, device):
             sums[1] += local.numel()
         base, whole = base + p.numel(), whole + p.numel()
     dist.all_reduce(sums)
-    same = same and int(sums[1].item()) == whole  # the shards tile the model, as this rank sees it
-    verdicts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(verdicts, torch.tensor([int(same)], device=device))
-    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict.item()]
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, same and int(sums[1].item()) == whole)  # the shards tile the model too
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict]
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({len(verdicts)} rank{'s' if len(verdicts) != 1 else ''}, fingerprint {sums[0].item():.10e})")
+           f"({plural(len(verdicts), 'rank')}, fingerprint {sums[0].item():.10e})")
     return not differ
 
 
 def held_part(p):
-    """(this rank's part of parameter p, its offsets in p, whether this rank is its first holder, the
-    process groups of the ranks holding the same part: None is the whole world)."""
-    if not hasattr(p, "device_mesh"):  # a plain tensor: every rank holds all of it
+    """(this rank's part of p, its offsets, whether this rank is its first holder, the groups that hold it too)."""
+    if not hasattr(p, "device_mesh"):  # a plain tensor: every rank holds all of it (None: the whole world)
         return p, (0,) * p.dim(), dist.get_rank() == 0, [None]
     mesh, chunk = p.device_mesh, p.__create_chunk_list__()[0]  # a DTensor: the mesh says who holds what
     replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
@@ -1072,17 +787,14 @@ def held_part(p):
 
 
 def fingerprint_terms(local, offsets, shape, base, rows=4096):
-    """The sum of x * sin(base + i) over `local`, the block at `offsets` of a tensor of `shape`, i each
-    value's flat index in that tensor: in float64, a few rows at a time, never a copy of the whole."""
-    if local.numel() == 0:
-        return 0.0
+    """sum(x * sin(base + i)), i each value's flat index in a tensor of `shape` of which `local` is the block
+    at `offsets`: in float64, a few rows at a time, never a copy of the whole."""
     if local.dim() == 0:  # a scalar parameter: one row of one value
         local, offsets, shape = local.reshape(1), (0,), (1,)
     strides = torch.empty(shape, device="meta").stride()
     inner = torch.zeros((), dtype=torch.float64, device=local.device)  # the index within a row, by broadcasting
     for d in range(1, local.dim()):
-        along = (offsets[d] + torch.arange(local.shape[d], device=local.device)) * strides[d]
-        inner = inner.unsqueeze(-1) + along.double()
+        inner = inner.unsqueeze(-1) + ((offsets[d] + torch.arange(local.shape[d], device=local.device)) * strides[d]).double()
     total = torch.zeros((), dtype=torch.float64, device=local.device)
     for start in range(0, local.shape[0], rows):
         at = torch.arange(start, min(start + rows, local.shape[0]), device=local.device) + offsets[0]
@@ -1091,11 +803,10 @@ def fingerprint_terms(local, offsets, shape, base, rows=4096):
     return total
 
 
+# ---- recipe: atomic save: a crash mid-write leaves the previous file whole
 def atomic_write(path, write):
-    """write(file) into a temporary file, flushed to disk, then rename it over `path` (atomic on POSIX)
-    and flush the folder: a crash, a kill, Ctrl-C or a power loss mid-write leaves the previous file
-    whole, never an empty one. The temporary file is created anew (O_EXCL): a link planted under its
-    name is not followed."""
+    """write(file) into a new temporary file (O_EXCL: a link planted there is not followed), flushed to disk,
+    renamed over `path` (atomic on POSIX), then the folder flushed."""
     tmp = f"{path}.tmp{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
@@ -1115,150 +826,14 @@ def atomic_write(path, write):
             os.remove(tmp)
 
 
-def save_checkpoint(state, path):
-    """torch.save, atomically, stamped with the torchrun job that wrote it (see resumes_this_job) and
-    its world size (see note_world_change). Call on global rank 0 only, then dist.barrier()."""
-    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"),
-             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
-
-
-def note_world_change(state, steps_per_epoch, batch_size):
-    """One line when a checkpoint written at another world size is resumed (an elastic restart, a
-    job moved to fewer GPUs): what changes with the world and what does not."""
-    then, now = state.get("world_size"), dist.get_world_size()
-    if then is not None and then != now:
-        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
-               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and "
-               f"the epoch")
-
-
-def nothing_left(path, unit, reached, flag, target):
-    """True, with one line, when a resumed run has nothing left to train: its checkpoint at `path` is
-    at `unit` `reached` already, and `flag` ends the run at `target`. (No loss and no speed of nothing follow.)"""
-    if reached < target:
-        return False
-    print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
-           f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
-    return True
-
-
-def plural(count, noun):
-    """`1 process`, `2 processes`, `1 rank`, `8 windows`: a count with its noun agreeing."""
-    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
-
-
-def resumes_this_job(path):
-    """Whether this torchrun worker should continue from checkpoint `path` without --resume.
-
-    torchrun starts a job's workers anew after a failure (--max-restarts) and whenever a node
-    joins or leaves (--nnodes=MIN:MAX). TORCHELASTIC_RESTART_COUNT counts failures only, on the
-    nodes that saw them: a node that joins, and every node after a membership change, start
-    at 0. The job itself is named by torchrun's --rdzv-id (TORCHELASTIC_RUN_ID; a fresh id for
-    each --standalone launch), which save_checkpoint stamps into every checkpoint: this job's
-    checkpoint is continued on every node, an earlier job's is not. Without --rdzv-id (the id
-    is "none") only a restart count above 0 can tell.
-    """
-    if not os.path.isfile(path):
-        return False
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if job == "none":
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    try:  # mmap: only the small "job" entry is read from disk
-        check_archive(path)
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("job") == job
-    except Exception:  # unreadable, or not a checkpoint of ours: not this job's, and a fresh run replaces it
-        return False
-
-
 def write_json(path, record):
-    """One JSON object, atomically: a reader never sees half a file."""
     atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
-def check_archive(path):
-    """Raise ValueError unless `path` is a plain file (a FIFO would hang the read) holding a zip archive
-    as torch.save writes it: every entry stored, none compressed, adding up to no more than the file.
-    torch.load would inflate a deflated entry: 115 KB of zeros becomes 64 MiB."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError("not a plain file")
-    with zipfile.ZipFile(path) as archive:
-        entries = archive.infolist()
-    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
-            sum(e.file_size for e in entries) > os.path.getsize(path):
-        raise ValueError("its zip entries are compressed; torch.save stores them")
-
-
-def check_weights(path, state, model):
-    """`state["model"]` must be weights: a dict of tensors by name, and with `model`, its names and shapes;
-    `state["optimizer"]`, where there is one, an optimizer's state_dict (a dict of state and param groups)."""
-    theirs, optimizer = state["model"], state.get("optimizer", {})
-    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                               for k, v in theirs.items()):
-        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
-             "delete it, or point the script at one it wrote", every_node=True)
-    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
-    if not isinstance(optimizer, dict) or optimizer and not (
-            isinstance(optimizer.get("state"), dict) and all(isinstance(v, dict) for v in optimizer["state"].values())
-            and isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
-        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
-             "delete it, or point the script at one it wrote", every_node=True)
-    if model is None:
-        return
-    mine = model.state_dict()
-    if set(theirs) != set(mine):
-        fail(f"{path} is for another model (missing {sorted(set(mine) - set(theirs))[:3]}, "
-             f"unexpected {sorted(set(theirs) - set(mine))[:3]})",
-             "delete it, or use the configuration that wrote it", every_node=True)
-    for name, tensor in mine.items():
-        if tuple(theirs[name].shape) != tuple(tensor.shape):
-            fail(f"{path} is for another configuration: {name} is {tuple(theirs[name].shape)} "
-                 f"there, {tuple(tensor.shape)} here", "delete it, or use the configuration that wrote it",
-                 every_node=True)
-
-
-def load_checkpoint(path, keys, model=None):
-    """Read a checkpoint as data, onto the CPU, and check that it is one this script wrote.
-
-    weights_only: tensors and plain values only, so a pickled object is refused before it
-    can run; check_archive before it: a plain file, no compressed entry to inflate. map_location
-    cpu: load_state_dict then puts each tensor where its parameter lives (Adam's `step` stays
-    on the CPU, where reading it needs no GPU sync). `keys`: what the file must hold; its
-    "model" must be a dict of tensors, and with `model`, fit it. Any problem is one error line,
-    not a traceback per rank, said on each machine whose copy has it.
-    """
-    try:
-        check_archive(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()),
-                      "not plain data")
-        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
-             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
-             "it is unreadable or truncated; delete it to start afresh", every_node=True)
-    if not isinstance(state, dict) or not set(keys) <= set(state):
-        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote",
-             every_node=True)
-    counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch",
-                                       "batch_size", "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
-    if counts:
-        fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
-             "delete it, or point the script at one it wrote", every_node=True)
-    if "model" in keys:
-        check_weights(path, state, model)
-    return state
-
-
+# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
 def spawn_processes(fn, args, nprocs):
-    """mp.spawn(fn, args=(args,), nprocs=nprocs), with the exits a user should see.
-
-    A rank's bad input (exit 2), Ctrl-C (130) and a replica mismatch (1) pass through
-    quietly: that rank has said why. Another failure is named once. After a failure the
-    others are stopped within seconds, a frozen one too, instead of hanging the parent.
-    """
+    """mp.spawn(fn, args=(args,), nprocs=nprocs). A rank's bad input (2), Ctrl-C (130), a replica mismatch (1)
+    pass quietly: that rank said why. Another failure is named once; the others are stopped within seconds."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
     context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
     try:
@@ -1275,19 +850,13 @@ def spawn_processes(fn, args, nprocs):
                 process.kill()
         sys.exit(130)
     except mp.ProcessRaisedException as e:
-        say(f"error: a process failed\n{e}", sys.stderr)  # its traceback, once
+        print0(f"error: a process failed\n{e}", sys.stderr, every_rank=True)  # its traceback, once
         sys.exit(1)
     except mp.ProcessExitedException as e:
         if e.exit_code not in (1, 2, 130):
-            say(f"error: process {e.error_index} {how_it_ended(e)}", sys.stderr)
+            print0(f"error: process {e.error_index} " + (f"was ended by {e.signal_name} (exit code {e.exit_code})"
+                   if e.signal_name else f"exited with code {e.exit_code}"), sys.stderr, every_rank=True)
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
-
-
-def how_it_ended(exited):
-    """`was ended by SIGABRT (exit code -6)`, or `exited with code 3`: torch names the signal."""
-    if exited.signal_name:
-        return f"was ended by {exited.signal_name} (exit code {exited.exit_code})"
-    return f"exited with code {exited.exit_code}"
 # ---- end of harness ----
 
 

@@ -1,8 +1,8 @@
 """The device choice (issue 17), checked in this process: no launch, no GPU needed.
 
-The harness's device_plan maps a device type to its backend, its --amp auto and, where no job
-can run, one error line; it is a pure function of the type, so every type is checked here on a
-CPU. What needs the device itself (set_device_index on it, a collective on it, its own bf16
+The harness's resolve_device maps a device type to its backend or, where no job can run, one
+error line; told which type the machine's accelerator is, it runs alike for every type, so every
+type is checked here on a CPU. What needs the device itself (set_device_index on it, a collective on it, its own bf16
 check) is read against torch's source, not run: docs/devices.md's device table says which is which.
 Also here: the checks that must see a hand-made launch's filled-in LOCAL_RANK, a MASTER_PORT in
 TIME_WAIT against one that something listens on, the replica check on a one-process gloo group,
@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import ddp_comm_hooks
 import ddp_gpus
 import ddp_minimal
+import ddp_transformer
 import ddp_uneven
 from conftest import ROOT
 
@@ -53,20 +54,23 @@ def registered_backend(monkeypatch):
 
 
 # ---------------------------------------------------------------- the mapping, for each type
+def plan(kind, backend="auto"):
+    """resolve_device on a machine whose accelerator is `kind`: the backend it chose."""
+    return ddp_gpus.resolve_device(argparse.Namespace(device=kind, backend=backend), here=kind).backend
+
+
 @pytest.mark.parametrize("kind,backend", [("cpu", "gloo"), ("cuda", "nccl"), ("xpu", "xccl")])
 def test_each_type_gets_torchs_default_backend(kind, backend):
-    plan = ddp_gpus.device_plan(kind)
-    assert plan == {"backend": backend, "amp": "off" if kind == "cpu" else "fp16", "problem": None}
+    assert plan(kind) == backend
     assert backend == dist.get_default_backend_for_device(kind)  # torch's table, not ours
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda", "xpu", "hpu", "npu"])
-def test_amp_auto_is_bf16_where_native_else_fp16_on_accelerators_and_off_on_cpu(kind):
-    assert ddp_gpus.device_plan(kind, bf16=True)["amp"] == "bf16"
-    assert ddp_gpus.device_plan(kind, bf16=False)["amp"] == ("off" if kind == "cpu" else "fp16")
+def test_amp_auto_is_off_on_cpu():
+    """--amp auto on accelerators (bf16 where native, else fp16) needs the device: read, not run."""
+    assert ddp_transformer.resolve_amp("auto", torch.device("cpu")) == "off"
 
 
-def test_hpu_takes_the_backend_its_plugin_registers(registered_backend):
+def test_hpu_takes_the_backend_its_plugin_registers(registered_backend, capsys):
     """Without habana_frameworks torch knows no backend for hpu: one line that says so. Once the
     plugin has registered hccl for hpu (as it does on import), hpu's default is hccl, and gloo,
     which takes only cpu and cuda tensors, does not fit it."""
@@ -76,35 +80,32 @@ def test_hpu_takes_the_backend_its_plugin_registers(registered_backend):
     capability = dist.Backend.backend_capability  # the fixture's copy: new lists, torch's stay whole
     for name in list(capability):
         capability[name] = [d for d in capability[name] if d != "hpu"]
-    missing = ddp_gpus.device_plan("hpu")
-    assert missing["backend"] is None and "no multi-process backend for hpu" in missing["problem"][0]
+    assert "no multi-process backend for hpu" in one_error_line(lambda: plan("hpu"), capsys)
     registered_backend("hccl", "hpu")
-    assert ddp_gpus.device_plan("hpu") == {"backend": "hccl", "amp": "fp16", "problem": None}
-    what, fix = ddp_gpus.device_plan("hpu", backend="gloo")["problem"]
-    assert "--backend gloo does not carry hpu tensors" in what and "hccl" in fix
+    assert plan("hpu") == "hccl"
+    line = one_error_line(lambda: plan("hpu", backend="gloo"), capsys)
+    assert "--backend gloo does not carry hpu tensors" in line and "(use --backend auto: hccl on hpu)" in line
 
 
-def test_npu_needs_its_plugin_to_be_named_at_all():
+def test_npu_needs_its_plugin_to_be_named_at_all(capsys):
     """`npu` is torch's privateuse1 device, renamed by torch_npu, which also registers hccl for it
     (Ascend/pytorch torch_npu/__init__.py: register_backend("hccl", ..., devices=["npu"])). Without
-    it this torch cannot even parse the type: the plan is one line, not a traceback."""
+    it this torch cannot even parse the type: one line, not a traceback."""
     with pytest.raises(RuntimeError):
         torch.device("npu")
-    plan = ddp_gpus.device_plan("npu")
-    assert plan["backend"] is None
-    assert plan["problem"] == ("torch has no multi-process backend for npu",
-                               "use --device cpu, or install the package that adds npu to torch")
+    assert one_error_line(lambda: plan("npu"), capsys) == \
+        "error: torch has no multi-process backend for npu (use --device cpu, or install the package that adds npu to torch)"
 
 
-def test_mps_is_one_line_pointing_to_the_cpu():
+def test_mps_is_one_line_pointing_to_the_cpu(capsys):
     """torch maps mps to gloo (Backend.default_device_backend_map; torch 2.7 maps nothing to it), but
-    gloo's capability is cpu and cuda: no backend carries MPS tensors, and the plan says so instead of
+    gloo's capability is cpu and cuda: no backend carries MPS tensors, and the line says so instead of
     crashing at step 1, naming gloo where torch names it."""
     mapped = dist.Backend.default_device_backend_map.get("mps")
     assert mapped in ("gloo", None), mapped
-    what, fix = ddp_gpus.device_plan("mps")["problem"]
-    assert what.startswith("torch has no multi-process backend for mps") and ("gloo" in what) == bool(mapped)
-    assert fix == "use --device cpu"
+    line = one_error_line(lambda: plan("mps"), capsys)
+    assert line.startswith("error: torch has no multi-process backend for mps") and ("gloo" in line) == bool(mapped)
+    assert line.endswith("(use --device cpu)")
 
 
 def test_mps_in_the_minimal_example_is_one_line(monkeypatch, capsys):
@@ -146,15 +147,15 @@ def test_bf16_check_asks_the_device_module_without_emulation(capsys):
     False without a GPU (torch/cuda/__init__.py returns False when CUDA is not available)."""
     if hasattr(torch.cpu, "get_capabilities"):
         caps = torch.cpu.get_capabilities()
-        assert ddp_gpus.bf16_supported(torch.device("cpu")) == bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+        assert ddp_transformer.bf16_supported(torch.device("cpu")) == bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     else:  # torch 2.7 cannot ask the CPU: taken as not native, and the user is told so
-        assert ddp_gpus.bf16_supported(torch.device("cpu")) is False
+        assert ddp_transformer.bf16_supported(torch.device("cpu")) is False
         note = capsys.readouterr().out
         assert note.startswith("note: torch") and "cannot tell whether this CPU computes bfloat16" in note, note
-    assert ddp_gpus.bf16_supported(torch.device("cpu"), emulated=True)
+    assert ddp_transformer.bf16_supported(torch.device("cpu"), emulated=True)
     assert capsys.readouterr().out == "", "no note where the answer does not depend on the CPU"
     if not torch.cuda.is_available():
-        assert ddp_gpus.bf16_supported(torch.device("cuda")) is False
+        assert ddp_transformer.bf16_supported(torch.device("cuda")) is False
 
 
 def test_the_bf16_hook_is_no_longer_judged_before_set_device():
@@ -317,23 +318,31 @@ def test_replica_check_on_a_one_process_group(world_of_one, capsys):
 def test_a_checkpoint_folder_is_described_by_its_pointer(tmp_path):
     """Issue 33: Ctrl-C and a frozen rank name a sharded checkpoint (a folder whose latest.json names
     the save that counts) as they name a file; a folder without a pointer has none kept."""
-    assert ddp_gpus.describe_checkpoint(str(tmp_path)) == "no checkpoint kept"
+    import fsdp_transformer
+    describe = fsdp_transformer.describe_checkpoint_folder
+    assert describe(str(tmp_path)) == "no checkpoint kept"
     (tmp_path / "latest.json").write_text(json.dumps({"folder": "step-00000020", "step": 20, "epoch": 0}))
-    assert ddp_gpus.describe_checkpoint(str(tmp_path)) == \
-        f"checkpoint at step 20 kept in {tmp_path / 'step-00000020'}"
+    assert describe(str(tmp_path)) == f"checkpoint at step 20 kept in {tmp_path / 'step-00000020'}"
     (tmp_path / "latest.json").write_text("{not json")
-    assert ddp_gpus.describe_checkpoint(str(tmp_path)) == "no checkpoint kept"
+    assert describe(str(tmp_path)) == "no checkpoint kept"
 
 
 # ---------------------------------------------------------------- 4.4, 4.5
-def test_a_spawned_process_killed_by_a_signal_is_named():
-    """torch's ProcessExitedException carries the signal's name (torch/multiprocessing/spawn.py)."""
-    aborted = mp.ProcessExitedException("process 1 terminated with signal SIGABRT", error_index=1,
-                                        error_pid=4242, exit_code=-6, signal_name="SIGABRT")
-    assert ddp_gpus.how_it_ended(aborted) == "was ended by SIGABRT (exit code -6)"
-    exited = mp.ProcessExitedException("process 1 terminated with exit code 3", error_index=1, error_pid=4242,
-                                       exit_code=3)
-    assert ddp_gpus.how_it_ended(exited) == "exited with code 3"
+@pytest.mark.parametrize("exited,says,code", [
+    (mp.ProcessExitedException("process 1 terminated with signal SIGABRT", error_index=1, error_pid=4242,
+                               exit_code=-6, signal_name="SIGABRT"), "was ended by SIGABRT (exit code -6)", 1),
+    (mp.ProcessExitedException("process 1 terminated with exit code 3", error_index=1, error_pid=4242,
+                               exit_code=3), "exited with code 3", 3)])
+def test_a_spawned_process_killed_by_a_signal_is_named(exited, says, code, monkeypatch, capsys):
+    """torch's ProcessExitedException carries the signal's name (torch/multiprocessing/spawn.py): what
+    spawn_processes says of it, given the exception mp.spawn's context raises."""
+    class Context:
+        def join(self, grace_period=None):
+            raise exited
+    monkeypatch.setattr(ddp_gpus.mp, "spawn", lambda *args, **kwargs: Context())
+    with pytest.raises(SystemExit) as ended:
+        ddp_gpus.spawn_processes(None, None, 2)
+    assert ended.value.code == code and capsys.readouterr().err.strip() == f"error: process 1 {says}"
 
 
 def _abort(rank, args):

@@ -283,9 +283,16 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
 
 
 def test_a_checkpoint_is_continued_by_the_torchrun_job_that_wrote_it(tmp_path, monkeypatch):
-    """resumes_this_job (the harness): torchrun's job id, stamped by save_checkpoint, says whether a
-    worker continues a checkpoint; a restart count does not (0 on a joining node), except without an id."""
-    from ddp_transformer import resumes_this_job, save_checkpoint
+    """continue_checkpoint unasked (the harness): torchrun's job id, stamped by save_checkpoint, says whether
+    a worker continues a checkpoint; a restart count does not (0 on a joining node), except without an id."""
+    from ddp_transformer import continue_checkpoint, save_checkpoint
+
+    def resumes_this_job(path):  # another's checkpoint is refused in one line (exit 2): not continued
+        try:
+            return continue_checkpoint(str(path), False)
+        except SystemExit as refused:
+            assert refused.code == 2
+            return False
     for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
     path = tmp_path / "ck.pt"
@@ -467,7 +474,7 @@ def test_ctrl_c_handled_while_an_error_is_under_way_keeps_that_error_and_its_lin
     monkeypatch.setenv("RANK", "0")
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        interrupted = harness.stop_on_interrupt(None)
+        interrupted = harness.stop_on_interrupt(lambda: "no checkpoint kept")
         with pytest.raises(RuntimeError, match="peer"):
             with SignalInExit():
                 raise RuntimeError("a peer that stopped first broke the collective")

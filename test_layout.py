@@ -1,8 +1,9 @@
 """The collection's layout, checked statically (no process is started; these take milliseconds).
 
-Every script reads as the lesson first, then one harness block that is byte-identical in
-every file (issue 10): so a reader learns the block once, and a fix to it is one change
-copied everywhere. ddp_minimal.py is the design note's example and stays minimal.
+Every script reads as the lesson first, then its harness block: the recipes of recipes/harness.py
+that it or its sibling reaches, each definition byte-identical to the reference (issue 35), and
+nothing else: so a reader learns a recipe once, a fix to it is one change copied everywhere, and a
+file carries no code it never runs. ddp_minimal.py is the design note's example and stays minimal.
 """
 import ast
 import io
@@ -12,6 +13,7 @@ import tokenize
 import pytest
 
 from conftest import ROOT
+from tools import sync_harness
 
 HARNESS_START = "# =============================================================================\n# ---- harness:"
 HARNESS_END = "# ---- end of harness ----\n"
@@ -48,13 +50,55 @@ def test_every_scenario_script_is_checked():
             "ddp_transformer.py", "dp_baseline.py"} <= set(SCRIPTS), SCRIPTS
 
 
+def definitions(source):
+    """{name: source text} of the top-level functions and classes in `source`."""
+    lines = source.splitlines(keepends=True)
+    return {node.name: "".join(lines[min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1:node.end_lineno])
+            for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_harness_block_is_identical_and_comes_after_the_lesson(name):
+def test_harness_block_holds_reference_recipes_and_comes_after_the_lesson(name):
     lesson, block, after = harness_of(name)
-    _, reference, _ = harness_of("ddp_gpus.py")
-    assert block == reference, f"{name}: the harness block differs from ddp_gpus.py's; copy it, do not edit it"
+    reference = definitions(sync_harness.REFERENCE.read_text())
+    for definition, source in definitions(block).items():
+        assert source == reference.get(definition), \
+            f"{name}: {definition} differs from recipes/harness.py's; edit the reference, then tools/sync_harness.py"
+    assert block == sync_harness.render(name), f"{name}: the harness block is not what tools/sync_harness.py writes"
     assert "def main" in lesson, f"{name}: the lesson (with main) comes before the harness"
     assert after.strip().startswith('if __name__ == "__main__":'), f"{name}: only the entry point follows the harness"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_script_carries_only_what_it_or_its_sibling_reaches(name):
+    """Reached: called by name from the lesson of the script or of its sibling, or by what those call."""
+    _, block, _ = harness_of(name)
+    carried = definitions(block)
+    pair = next((p for p in sync_harness.SIBLINGS if name in p), (name,))
+    used = set()
+    for script in pair:
+        lesson, _, after = harness_of(script)
+        used |= {n.id for n in ast.walk(ast.parse(lesson + after)) if isinstance(n, ast.Name)}
+    reached, todo = set(), [n for n in used if n in carried]
+    while todo:
+        n = todo.pop()
+        if n not in reached:
+            reached.add(n)
+            todo += [m.id for m in ast.walk(ast.parse(carried[n])) if isinstance(m, ast.Name) and m.id in carried]
+    assert set(carried) == reached, f"{name} carries definitions that it and its sibling never reach: " \
+                                    f"{sorted(set(carried) - reached)}"
+
+
+def test_the_reference_is_small_and_every_recipe_names_what_it_needs():
+    source = sync_harness.REFERENCE.read_text()
+    assert len(source.splitlines()) <= 480 + 40, len(source.splitlines())
+    defined = definitions(source)
+    _, found = sync_harness.reference()
+    recipe_of = {name: banner.split(":")[1].strip() for name, (banner, _, _) in found.items()}
+    for name, (banner, _, used) in found.items():
+        needs = {recipe_of[n] for n in used if n in defined} - {recipe_of[name]}
+        named = banner.split("(needs ")[1].split(")")[0].split(", ") if "(needs " in banner else []
+        assert needs <= set(named), f"recipe {recipe_of[name]}: {name} uses {sorted(needs)}, its banner names {named}"
 
 
 @pytest.mark.parametrize("name", [*SCRIPTS, "ddp_minimal.py", "bench.py"])

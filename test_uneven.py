@@ -20,6 +20,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.utils.data import SubsetRandomSampler
 
 import ddp_uneven
@@ -161,7 +162,7 @@ def test_hand_over_leaves_the_model_collectable(monkeypatch):
     """DDP's reducer holds the comm hook's state: if that held the model, the model would outlive
     destroy_process_group, which can abort the process at exit (CONTRACT.md)."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(ddp_uneven.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(get_free_port()))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         args = ddp_uneven.resolve_device(ddp_uneven.parse_args(["--device", "cpu", "--width", "8"]))

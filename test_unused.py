@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_main
@@ -179,7 +180,7 @@ def test_run_sh_prints_no_warning_from_our_files(run_sh):
 @pytest.mark.parametrize("module", [ddp_main, ddp_main_torchrun, ddp_unused])
 def test_no_buffer_broadcast_warns_nothing_and_keeps_buffers_local(module, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(ddp_unused.free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(get_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with warnings.catch_warnings():
@@ -219,7 +220,7 @@ def test_transformer_dropout_masks_differ_across_ranks_and_replicas_agree():
     assert ddp_transformer.step_seed(0, 0, 5) != ddp_transformer.step_seed(0, 1, 5)
     assert ddp_transformer.step_seed(0, 1, 5) == ddp_transformer.step_seed(0, 1, 5)  # resume: the same draws
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), ddp_unused.free_port()
+    queue, port = ctx.Queue(), get_free_port()
     procs = [ctx.Process(target=masks_and_weights, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -238,7 +239,7 @@ def test_main_torchrun_ranks_that_disagree_on_resuming_end_with_one_line(tmp_pat
     small = ["--device", "cpu", "--train_samples", "300", "--test_samples", "100"]
     run_bounded([sys.executable, ROOT / "ddp_main_torchrun.py", "-e", "1", "--checkpoint", "a.pt", *small],
                 tmp_path, timeout=180)
-    port = ddp_unused.free_port()
+    port = get_free_port()
     procs = []
     for rank, path in ((0, "a.pt"), (1, "missing.pt")):  # rank 1's "node" has no checkpoint
         env = cpu_env(RANK=rank, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,

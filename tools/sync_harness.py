@@ -1,39 +1,105 @@
-"""Copy the harness block of ddp_gpus.py (the reference copy) into other scripts.
+"""Copy into each script the recipes of recipes/harness.py (the reference copy) that it reaches.
 
-The block runs from the banner `# ---- harness: ...` to `# ---- end of harness ----`
-and must be byte-identical in every scenario script (test_layout.py checks it). Edit it
-in ddp_gpus.py, then run from the repository root:
+A script's harness block runs from the banner `# ---- harness: ...` to `# ---- end of harness ----`
+and holds the definitions that the script's lesson calls, or that its sibling's does (a sibling
+pair carries the same block, so their diff shows only the launch), with everything those call in
+turn: each byte for byte as in the reference, in the reference's order, under its recipe's
+banner, and only the imports they use. test_layout.py checks every block against this. Edit the
+reference, then run from the repository root:
 
     python3 tools/sync_harness.py                 # every top-level script that has a block
-    python3 tools/sync_harness.py new_script.py   # also inserts it before `if __name__ == "__main__":`
+    python3 tools/sync_harness.py new_script.py   # also inserts one before `if __name__ == "__main__":`
 """
+import ast
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "recipes" / "harness.py"
 START = "# =============================================================================\n# ---- harness:"
 END = "# ---- end of harness ----\n"
+SIBLINGS = [("ddp_gpus.py", "ddp_gpus_torchrun.py"), ("ddp_main.py", "ddp_main_torchrun.py"),
+            ("ddp_transformer.py", "fsdp_transformer.py")]
+HEADER = f"""{START} recipes, each the same wherever it appears; not part of the lesson ----
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
+# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
+# =============================================================================
+"""
 
 
-def block_of(text):
+def names_in(tree):
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def reference():
+    """(imports: [(names bound, source)], definitions: {name: (banner, source, names used)}) in file order."""
+    text = REFERENCE.read_text()
+    lines, tree = text.splitlines(keepends=True), ast.parse(text)
+    imports, definitions = [], {}
+    for node in tree.body:
+        source = "".join(lines[min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1:
+                               node.end_lineno])
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append(({(a.asname or a.name).split(".")[0] for a in node.names}, source))
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            above = lines[:min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1]
+            banner = next(line for line in reversed(above) if line.startswith("# ---- recipe:"))
+            definitions[node.name] = (banner, source, names_in(node) - {node.name})
+    return imports, definitions
+
+
+def split(text):
+    """(lesson, block, entry point) of a script."""
     start = text.index(START)
-    return start, text.index(END, start) + len(END)
+    end = text.index(END, start) + len(END)
+    return text[:start], text[start:end], text[end:]
+
+
+def reached(names, definitions):
+    """The definitions `names` reach, and what those reach in turn."""
+    todo, found = [n for n in names if n in definitions], set()
+    while todo:
+        name = todo.pop()
+        if name not in found:
+            found.add(name)
+            todo += [n for n in definitions[name][2] if n in definitions]
+    return found
+
+
+def needed(name, definitions):
+    """What the script `name` and its sibling reach from their lessons."""
+    pair = next((p for p in SIBLINGS if name in p), (name,))
+    used = set()
+    for script in pair:
+        lesson, _, entry = split((ROOT / script).read_text())
+        used |= names_in(ast.parse(lesson + entry))
+    return reached(used, definitions)
+
+
+def render(name):
+    """The harness block that script `name` must carry."""
+    imports, definitions = reference()
+    chosen = needed(name, definitions)
+    used = set().union(*(definitions[n][2] for n in chosen))
+    block, banner = HEADER + "".join(source for bound, source in imports if bound & used), None
+    for n, (recipe, source, _) in definitions.items():
+        if n in chosen:
+            block += "\n\n" + (recipe if recipe != banner else "") + source
+            banner = recipe
+    return block + END
 
 
 def main(names):
-    reference = (ROOT / "ddp_gpus.py").read_text()
-    a, b = block_of(reference)
-    block = reference[a:b]
     paths = [ROOT / n for n in names] or sorted(p for p in ROOT.glob("*.py") if START in p.read_text())
     for path in paths:
         text = path.read_text()
-        if START in text:
-            a, b = block_of(text)
-            text = text[:a] + block + text[b:]
-        else:
+        if START not in text:
             entry = text.rindex('\nif __name__ == "__main__":')
-            text = text[:entry].rstrip("\n") + "\n\n\n" + block + "\n" + text[entry:]
-        path.write_text(text)
+            text = text[:entry].rstrip("\n") + "\n\n\n" + HEADER + END + "\n" + text[entry:]
+            path.write_text(text)
+        lesson, _, entry = split(text)
+        path.write_text(lesson + render(path.name) + entry)
         print(f"synced {path.name}")
 
 

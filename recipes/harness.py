@@ -1,0 +1,639 @@
+"""The reference harness: small recipes that make a DDP script robust. A script carries, after its
+lesson, the definitions it or its sibling reaches, byte for byte as here: edit here, then run
+`python3 tools/sync_harness.py` (test_layout.py compares them). A recipe lifts alone with the recipes
+its banner names; docs/recipes.md has the ones users lift most, as blocks that work pasted alone."""
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import traceback
+import zipfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+
+# ---- recipe: printing: one line in one write, on rank 0 only unless every_rank
+def print0(line, file=None, every_rank=False):
+    """In one write: print() writes the text and the newline apart under PYTHONUNBUFFERED=1, and the
+    lines of concurrent ranks run into each other."""
+    if every_rank or (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        file = file or sys.stdout
+        file.write(f"{line}\n")
+        file.flush()
+
+
+def plural(count, noun):
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
+
+
+# ---- recipe: errors (needs printing): bad input is one line `error: what (fix)` and exit code 2
+def fail(what, fix, every_rank=False, every_node=False):
+    """Said once: by rank 0 (the others wait to be stopped: one that left first would get rank 0 killed
+    before it said why); every_rank: by each (its device); every_node: by each machine's LOCAL_RANK 0 (its files)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def report_error(line):
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
+    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it."""
+    print0(line, sys.stderr, every_rank=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        stamp = str(int(time.time()) - 1)
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+# ---- recipe: arguments (needs errors): help that states defaults, and checks before any process starts
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after each option's help, unless the help states it or there is none (None, False)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
+
+
+def refuse_launcher_flags(argv=None):
+    """mp.spawn's --nprocs, or torchrun's flags after the script's name: one line on how to launch it."""
+    script = os.path.basename(__file__)
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {arg} {script} ...")
+
+
+def check_positive(args, *names):
+    for name in (n for n in names if getattr(args, n) is not None and not getattr(args, n) > 0):
+        fail(f"--{name} must be positive, got {getattr(args, name)}", f"pass a --{name} above 0")
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in (p for p in paths if p and not os.path.isdir(os.path.dirname(os.path.abspath(p)))):
+        fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+# ---- recipe: device (needs errors, printing): the device, its backend, bf16, CPU threads
+def resolve_device(args, here=None):
+    """--device and --backend `auto` made concrete: torch.accelerator's device (`here`: take it to be of
+    that type), else the CPU, and torch's default backend there; a backend fits the types torch lists."""
+    found = torch.accelerator.current_accelerator(check_available=True)
+    here = here or (found.type if found is not None else "cpu")
+    args.device = kind = here if args.device == "auto" else args.device
+    if kind not in ("cpu", here):
+        fail(f"--device {kind} but " + (f"this machine's accelerator is {here}" if here != "cpu" else
+                                        "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if kind == "cuda" else " or auto"))
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    args.backend = default if args.backend == "auto" else args.backend
+    if args.backend is not None and args.backend not in carries:
+        fail(f"unknown backend {args.backend!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    if args.backend is not None and kind in carries[args.backend]:
+        return args
+    if default is not None and kind in carries[default]:
+        fail(f"--backend {args.backend} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    if default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
+        fail(f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
+             f"{' and '.join(carries[default])} tensors", "use --device cpu")
+    fail(f"torch has no multi-process backend for {kind}", "use --device cpu" + (
+        "" if kind == "mps" else f", or install the package that adds {kind} to torch"))
+
+
+def bf16_supported(device, emulated=False):
+    """Whether the current device computes bfloat16; emulated bf16 (CUDA before Ampere, slower than fp16
+    with a GradScaler) counts only with `emulated`. A CPU: its bf16 instructions (without, oneDNN is slower)."""
+    if device.type == "cpu" and not hasattr(torch.cpu, "get_capabilities"):  # torch 2.7 cannot ask the CPU
+        if not emulated:
+            print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
+                   "natively (no torch.cpu.get_capabilities): taken as not")
+        return emulated
+    if device.type == "cpu":
+        caps = torch.cpu.get_capabilities()
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
+    check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
+    if check is None:  # a module without the check: torch's own autocast default for the type
+        return torch.get_autocast_dtype(device.type) == torch.bfloat16
+    if "including_emulation" in inspect.signature(check).parameters:  # torch.cuda; torch.xpu from 2.8
+        return bool(check(including_emulation=emulated))
+    return bool(check())
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """The cores split between the processes (oversubscribed, they halve throughput), unless OMP_NUM_THREADS says."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine))))
+    return torch.get_num_threads()
+
+
+# ---- recipe: rendezvous (needs errors): what init_process_group("env://") reads, for every launcher
+def prepare_rendezvous(args, spawning=False):
+    """spawning: mp.spawn's parent; else started by torchrun (it sets everything), `python -m
+    torch.distributed.launch` (--local-rank), by hand (RANK, WORLD_SIZE, MASTER_*), or plain `python`
+    (a world of one). A free port is picked only by the process that hosts the rendezvous."""
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        if spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0"):  # it hosts the store
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(get_free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":  # NCCL's watchdog aborts a stuck rank; its flight recorder first dumps the last
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # collectives: torchfrtrace /tmp -p nccl_trace_rank_
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+
+
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks one of this machine's `count` devices. named: the launcher set it; else it is RANK
+    (every rank on this machine), which a second machine cannot hold."""
+    if device == "cpu":
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    # the module's own count: torch 2.7's torch.accelerator.device_count() raises without a driver
+    count = torch.get_device_module(device).device_count() if count is None else count
+    if local_rank < count:
+        return
+    if not named:
+        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
+         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
+
+
+def check_port_free(addr, port):
+    """Bound with SO_REUSEADDR, as the TCPStore binds: a port a finished run left in TIME_WAIT is free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+# ---- recipe: restart-safe store (needs errors): init_process_group(store=...) across torchrun's restarts
+def attempt_store(rank, world_size, timeout):
+    """Under torchrun, a namespace of its store for this attempt alone, else None. torchrun (2.5 on) keeps
+    one store across restarts: a restarted rank would read a dead attempt's keys (pytorch#135712). No
+    variable tells attempts apart on every node: the store numbers them. Not all joined in `timeout`: one line."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    deadline = time.monotonic() + timeout
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
+    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
+        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
+            report_error("error: " + (f"{e} did not join this attempt's process group within --timeout {timeout:g} s "
+                                      "(frozen, or not started on its node; raise --timeout if starting takes longer)"
+                                      if isinstance(e, TimeoutError) else
+                                      f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
+                         + (f" [rank {rank}]" if rank else ""))
+        time.sleep(0 if rank <= 1 else 30)  # bounded; torchrun stops the others once rank 1 has exited
+        raise SystemExit(1) from None
+    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
+
+
+def open_attempt(store, world_size, deadline):
+    """Rank 0: open attempt n (an atomic add) and answer every rank's request with it, a dead attempt's too,
+    until all have joined n; TimeoutError names the missing."""
+    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
+    while missing:
+        for r in sorted(missing):
+            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
+            if asked is not None and answered.get(r) != asked:
+                store.set(f"harness/answer/{asked.decode()}", str(attempt))
+                answered[r] = asked
+            if store.check([f"harness/joined/{attempt}/{r}"]):
+                missing.discard(r)
+        if missing and time.monotonic() > deadline:
+            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
+        time.sleep(0.05 if missing else 0)
+    return attempt
+
+
+def join_attempt(store, rank, deadline):
+    """Another rank: ask under a nonce of its own, so it never reads an answer meant for a dead attempt."""
+    nonce = os.urandom(8).hex()
+    store.set(f"harness/ask/{rank}", nonce)
+    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0")
+        time.sleep(0.05)
+    attempt = int(store.get(f"harness/answer/{nonce}"))
+    store.set(f"harness/joined/{attempt}/{rank}", "1")
+    return attempt
+
+
+# ---- recipe: failures (needs errors, printing): Ctrl-C and a failed collective as one line each
+@contextlib.contextmanager
+def explained_failures(timeout, kept=None):
+    """A failed gloo collective: explain_collective_failure's line (NCCL's watchdog aborts first), ending with
+    kept(): what a rerun resumes from. Ctrl-C: rank 0 says `interrupted (...)`, all leave at once with 130
+    (no clean shutdown: with the peers gone, releasing DDP's reducer can wait on them for seconds)."""
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if dist.get_backend() == "gloo" else None
+    kept = kept or (lambda: "no checkpoint kept")
+    interrupted = stop_on_interrupt(kept)
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        # Ctrl-C reaches the processes one by one: a peer that stopped first can fail our collective before
+        # our own SIGINT is seen, so wait a moment for it before explaining the failure
+        time.sleep(0 if interrupted["sigint"] or isinstance(error, KeyboardInterrupt) else 0.5)
+        if interrupted["sigint"] or isinstance(error, KeyboardInterrupt):
+            if not interrupted["said"]:
+                print0(f"interrupted (Ctrl-C): {kept()}")
+            sys.stderr.flush()
+            os._exit(130)
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
+        if line is None:
+            raise
+        if line:
+            report_error(f"error: {line}; {kept()} [rank {dist.get_rank()}]")
+        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
+        raise SystemExit(1) from None
+
+
+def stop_on_interrupt(kept):
+    """{"sigint": True once Ctrl-C came, "said": True once rank 0 said kept()}: said at once, before a peer or
+    the launcher ends this process, then KeyboardInterrupt; where an error is already on its way, the
+    signal comes again 0.2 s later instead, in case that error is caught. Later SIGINTs are ignored."""
+    interrupted = {"sigint": False, "said": False}
+
+    def on_sigint(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # none inside this one (mp.spawn's parent signals again)
+        if not interrupted["sigint"] and (not dist.is_initialized() or dist.get_rank() == 0):
+            with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
+                print0(f"interrupted (Ctrl-C): {kept()}")
+                interrupted["said"] = True
+        interrupted["sigint"] = True
+        if sys.exc_info()[1] is None:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_sigint)
+        again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        again.daemon = True
+        again.start()
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a background job keeps ignoring it
+        signal.signal(signal.SIGINT, on_sigint)
+    return interrupted
+
+
+def explain_collective_failure(error, health, timeout):
+    """One line ("" where another rank says it, None: not a collective's failure). A timeout: a monitored
+    barrier over `health` names who did not arrive; all did: they called different collectives. A connection
+    closed: a peer was lost; the roll call through the store (it outlives gloo) says which."""
+    text, rank = str(error), dist.get_rank()
+    roll_call()
+    if "Detected mismatch between collectives" in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL's check, on every rank
+        where = call_sites(error, health)
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+    if "connection reset" in text.lower() or "connection closed" in text.lower():
+        answered = roll_call(min(timeout, 5))
+        lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
+            return ""
+        return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
+                f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
+    if "timed out" not in text.lower():
+        return None
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
+    where = call_sites(error, health)
+    return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
+            f"was lost or frozen: the ranks called different collectives ({where}); to see where they parted: "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)") if rank == 0 else ""
+
+
+def mismatch_of(text):
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in Tensor
+    shapes: 4 vs 3` from DETAIL's text."""
+    sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
+    described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
+                            for r, _, op, shape, dtype in sides)
+    differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
+    return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
+
+
+def call_sites(error, health=None):
+    """"rank 0 in `dist.barrier()` (train.py:80 in save)": this file's innermost frame; with `health`, every rank's."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
+    every = [f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})"
+             if frames else "an unknown call"]
+    if health is not None:
+        every = every * dist.get_world_size()
+        dist.all_gather_object(every, every[0], group=health)
+    ranks = {}
+    for r, site in enumerate(every):
+        ranks.setdefault(site, []).append(str(r if health is not None else dist.get_rank()))
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
+
+
+def roll_call(seconds=0.0):
+    """Answer through the rendezvous store; the ranks that answered within `seconds` (None: the store is gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{r}"
+                for r in range(dist.get_world_size())]
+        store.set(keys[dist.get_rank()], "1")
+        if seconds:
+            with contextlib.suppress(RuntimeError):  # DistStoreError: a rank that never answers, the one we look for
+                store.wait(keys, timedelta(seconds=seconds))
+        return [r for r, key in enumerate(keys) if store.check([key])]
+    except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
+        return None
+
+
+# ---- recipe: agreement (needs errors): the ranks must hold the same integer
+def check_same_on_every_rank(value, what, fix):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, int(value))  # on the device the backend carries (nccl: the current GPU)
+    if len(set(every)) > 1:
+        fail(f"the ranks' {what} differ: {every}", fix)
+
+
+# ---- recipe: release: DDP's reducer freed before the process group is destroyed
+def release_ddp():
+    """Else the process can abort at exit ("terminate called without an active exception"): the frames of
+    a failed run's whole error chain may hold the model."""
+    error = sys.exc_info()[1]
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+# ---- recipe: replica check (needs printing): every rank's parameters equal, bit for bit
+def replicas_in_sync(model, device):
+    """A parameter at a time, broadcast by its first holder, compared by torch.equal (sums can differ in the
+    last bit between GPUs, or coincide); a DTensor (FSDP2) across the ranks its mesh replicates it over, and
+    its shards must tile it. The fingerprint, sum(x * sin(i)) over the whole model, is the same sharded or not."""
+    same, base, whole = True, 0, 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
+    for p in model.parameters():
+        local, offsets, first, groups = held_part(p.detach())
+        for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
+            theirs = local.clone()
+            dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            same = same and torch.equal(theirs, local)
+        if first:
+            sums[0] += fingerprint_terms(local, offsets, p.shape, base)
+            sums[1] += local.numel()
+        base, whole = base + p.numel(), whole + p.numel()
+    dist.all_reduce(sums)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, same and int(sums[1].item()) == whole)  # the shards tile the model too
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict]
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({plural(len(verdicts), 'rank')}, fingerprint {sums[0].item():.10e})")
+    return not differ
+
+
+def held_part(p):
+    """(this rank's part of p, its offsets, whether this rank is its first holder, the groups that hold it too)."""
+    if not hasattr(p, "device_mesh"):  # a plain tensor: every rank holds all of it (None: the whole world)
+        return p, (0,) * p.dim(), dist.get_rank() == 0, [None]
+    mesh, chunk = p.device_mesh, p.__create_chunk_list__()[0]  # a DTensor: the mesh says who holds what
+    replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
+    first = all(mesh.get_coordinate()[i] == 0 for i in replicated)
+    return p.to_local(), tuple(chunk.offsets), first, [mesh.get_group(i) for i in replicated]
+
+
+def fingerprint_terms(local, offsets, shape, base, rows=4096):
+    """sum(x * sin(base + i)), i each value's flat index in a tensor of `shape` of which `local` is the block
+    at `offsets`: in float64, a few rows at a time, never a copy of the whole."""
+    if local.dim() == 0:  # a scalar parameter: one row of one value
+        local, offsets, shape = local.reshape(1), (0,), (1,)
+    strides = torch.empty(shape, device="meta").stride()
+    inner = torch.zeros((), dtype=torch.float64, device=local.device)  # the index within a row, by broadcasting
+    for d in range(1, local.dim()):
+        inner = inner.unsqueeze(-1) + ((offsets[d] + torch.arange(local.shape[d], device=local.device)) * strides[d]).double()
+    total = torch.zeros((), dtype=torch.float64, device=local.device)
+    for start in range(0, local.shape[0], rows):
+        at = torch.arange(start, min(start + rows, local.shape[0]), device=local.device) + offsets[0]
+        index = (at.double() * strides[0] + base).view(-1, *(1,) * (local.dim() - 1)) + inner
+        total += (local[start:start + rows].double() * torch.sin(index)).sum()
+    return total
+
+
+# ---- recipe: atomic save: a crash mid-write leaves the previous file whole
+def atomic_write(path, write):
+    """write(file) into a new temporary file (O_EXCL: a link planted there is not followed), flushed to disk,
+    renamed over `path` (atomic on POSIX), then the folder flushed."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, record):
+    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def save_checkpoint(state, path):
+    """Atomically, stamped with its torchrun job (continue_checkpoint) and world size. On rank 0, then a barrier."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+# ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
+def load_checkpoint(path, keys, model=None):
+    """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
+    moves each tensor to its parameter). `keys`: what it must hold; with `model`, loaded into it. One line per machine."""
+    try:
+        check_archive(path)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+    except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+             "it is unreadable or truncated; delete it to start afresh", every_node=True)
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
+    counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch", "batch_size",
+                                       "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
+    if counts:
+        fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if "model" in keys:
+        check_weights(path, state, model)
+    return state
+
+
+def check_archive(path):
+    """ValueError unless a plain file (a FIFO would hang the read) holding a zip as torch.save writes it:
+    no entry compressed (torch.load would inflate 115 KB of zeros to 64 MiB)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a plain file")
+    with zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > os.path.getsize(path):
+        raise ValueError("its zip entries are compressed; torch.save stores them")
+
+
+def check_weights(path, state, model):
+    """"model" a dict of tensors by name, loaded into `model` if given (load_state_dict's strict check says
+    what differs); "optimizer", if there, an optimizer's state_dict."""
+    theirs, optimizer = state["model"], state.get("optimizer", {})
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in theirs.items()):
+        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if not isinstance(optimizer, dict) or optimizer and not (
+            isinstance(optimizer.get("state"), dict) and all(isinstance(v, dict) for v in optimizer["state"].values())
+            and isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if model is not None:
+        try:
+            model.load_state_dict(theirs)
+        except RuntimeError as e:  # its text from the 7th word: "size mismatch for w: copying a param with shape ..."
+            why = re.sub(r"torch\.Size\(\[(.*?)\]\)", r"(\1)", " ".join(str(e).split()[6:]))
+            fail(f"{path} is for another model or configuration ({why[:200]})",
+                 "delete it, or use the configuration that wrote it", every_node=True)
+
+
+# ---- recipe: resume (needs safe load, errors, printing): continue a checkpoint only when it is ours
+def continue_checkpoint(path, resume):
+    """Asked (--resume): yes (none there: one line). Unasked: only this job's own, after torchrun restarted it
+    (a failure, a node joined or left): its --rdzv-id (TORCHELASTIC_RUN_ID) is stamped in (without one, "none",
+    only a restart count can tell). Another file is neither continued nor overwritten: one line says whose."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    job, state = os.environ.get("TORCHELASTIC_RUN_ID", "none"), None
+    with contextlib.suppress(Exception):  # unreadable, or not a dict: not ours, and not ours to overwrite unasked
+        check_archive(path)  # a FIFO would hang the read; mmap: only the small entries are read
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    theirs = state.get("job") if isinstance(state, dict) else None
+    if resume or (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if job == "none" else theirs == job):
+        return True
+    found = "a file that is not a checkpoint this script can read" if not isinstance(state, dict) else (
+        f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+        + ("a run outside torchrun" if not theirs else "a torchrun job without --rdzv-id" if theirs == "none"
+           else f"torchrun job {theirs}") + f" at world size {state.get('world_size', '?')}")
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept`: what a stopped run leaves (mmap: the counter alone is read)."""
+    with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
+        check_archive(path)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        where = where_checkpoint_is(state)
+        return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+    return "no checkpoint kept"
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote `state` got ('' if it does not say)."""
+    return next((f"{unit} {state[key]}" for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch"))
+                 if isinstance(state.get(key), int)), "")
+
+
+def nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when the checkpoint at `unit` `reached` leaves nothing: `flag` ends the run at `target`."""
+    if reached >= target:
+        print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+               f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return reached >= target
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint of another world size is resumed: what changes and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
+def spawn_processes(fn, args, nprocs):
+    """mp.spawn(fn, args=(args,), nprocs=nprocs). A rank's bad input (2), Ctrl-C (130), a replica mismatch (1)
+    pass quietly: that rank said why. Another failure is named once; the others are stopped within seconds."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
+    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
+    try:
+        while not context.join(grace_period=3):
+            pass
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        deadline = time.monotonic() + 5
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+        sys.exit(130)
+    except mp.ProcessRaisedException as e:
+        print0(f"error: a process failed\n{e}", sys.stderr, every_rank=True)  # its traceback, once
+        sys.exit(1)
+    except mp.ProcessExitedException as e:
+        if e.exit_code not in (1, 2, 130):
+            print0(f"error: process {e.error_index} " + (f"was ended by {e.signal_name} (exit code {e.exit_code})"
+                   if e.signal_name else f"exited with code {e.exit_code}"), sys.stderr, every_rank=True)
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
