@@ -175,8 +175,7 @@ def build(device, args):
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
     start = 0
     if args.resume:
-        state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module)
-        module.load_state_dict(state["model"])
+        state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module)  # loads the weights
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"]
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args))
@@ -389,25 +388,17 @@ def main():
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import argparse
 import contextlib
 import gc
 import json
 import multiprocessing
-import os
-import pickle
 import re
 import signal
 import socket
 import stat
-import sys
 import threading
-import time
 import traceback
 import zipfile
-from datetime import timedelta
-import torch
-import torch.distributed as dist
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 

@@ -138,8 +138,7 @@ class Trainer:
     def _load_snapshot(self, model, resume):
         epochs_run = 0
         if resume:
-            snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model)
-            model.load_state_dict(snapshot["model"])
+            snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model)  # loads model
             self.optimizer.load_state_dict(snapshot["optimizer"])
             epochs_run = snapshot["epochs_run"]
             note_world_change(snapshot, len(self.train_dataloader), self.train_dataloader.batch_size)
@@ -260,26 +259,19 @@ def main():
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import argparse
 import contextlib
 import gc
 import json
 import logging
 import multiprocessing
-import os
 import pickle
 import re
 import signal
 import socket
 import stat
-import sys
 import threading
-import time
 import traceback
 import zipfile
-from datetime import timedelta
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 

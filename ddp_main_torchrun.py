@@ -651,8 +651,7 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args, classes):
         theirs = [str(name)[:40] for name in theirs] if isinstance(theirs, list) else [repr(theirs)[:40]]
         fail(f"{args.checkpoint} was trained on the classes {listed(theirs)}, this data has {listed(classes)}",
              "use the data it was trained on, or another --checkpoint to start afresh")
-    model.load_state_dict(checkpoint["model"])
-    try:
+    try:  # the weights are in the model already: load_checkpoint loaded them
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         fail(f"{args.checkpoint} holds another optimizer's state ({type(e).__name__}: {str(e)[:100]})",
@@ -838,27 +837,17 @@ def main():
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import argparse
 import contextlib
 import gc
-import inspect
 import json
 import logging
 import multiprocessing
-import os
 import pickle
-import re
 import signal
-import socket
 import stat
-import sys
 import threading
-import time
 import traceback
 import zipfile
-from datetime import timedelta
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 

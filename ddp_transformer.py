@@ -1377,26 +1377,17 @@ def main():
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import argparse
-import contextlib
 import gc
 import inspect
 import json
 import multiprocessing
-import os
 import pickle
-import re
 import signal
 import socket
 import stat
-import sys
 import threading
-import time
 import traceback
 import zipfile
-from datetime import timedelta
-import torch
-import torch.distributed as dist
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 

@@ -171,8 +171,7 @@ def build(device, loader, args):
     torch.manual_seed(args.seed)
     module = make_model(args.width).to(device)
     state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module) if args.resume else None
-    if state:
-        module.load_state_dict(state["model"])
+    if state:  # load_checkpoint loaded the weights into the module
         note_world_change(state, len(loader), args.batch_size)  # shards, batches and steps follow the world size
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None)
     if args.zero:  # each rank keeps Adam's state for its shard of the parameters only
@@ -465,25 +464,17 @@ def main():
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import argparse
-import contextlib
 import gc
 import json
 import multiprocessing
-import os
 import pickle
 import re
 import signal
 import socket
 import stat
-import sys
 import threading
-import time
 import traceback
 import zipfile
-from datetime import timedelta
-import torch
-import torch.distributed as dist
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 

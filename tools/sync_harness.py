@@ -2,10 +2,10 @@
 
 A script's harness block runs from the banner `# ---- harness: ...` to `# ---- end of harness ----`
 and holds the definitions that the script's lesson calls, or that its sibling's does (a sibling
-pair carries the same block, so their diff shows only the launch), with everything those call in
-turn: each byte for byte as in the reference, in the reference's order, under its recipe's
-banner, and only the imports they use. test_layout.py checks every block against this. Edit the
-reference, then run from the repository root:
+pair carries the same recipes, so their diff shows only the launch), with everything those call in
+turn: each byte for byte as in the reference, in the reference's order, under its recipe's banner,
+with the imports they use that the lesson lacks. test_layout.py checks every block against this.
+Edit the reference, then run from the repository root:
 
     python3 tools/sync_harness.py                 # every top-level script that has a block
     python3 tools/sync_harness.py new_script.py   # also inserts one before `if __name__ == "__main__":`
@@ -78,11 +78,13 @@ def needed(name, definitions):
 
 
 def render(name):
-    """The harness block that script `name` must carry."""
+    """The harness block that script `name` must carry: what it reaches, with the imports that those
+    definitions use and the lesson does not already make (a file imports a module once)."""
     imports, definitions = reference()
     chosen = needed(name, definitions)
     used = set().union(*(definitions[n][2] for n in chosen))
-    block, banner = HEADER + "".join(source for bound, source in imports if bound & used), None
+    lesson = set(split((ROOT / name).read_text())[0].splitlines(keepends=True))
+    block, banner = HEADER + "".join(source for bound, source in imports if bound & used and source not in lesson), None
     for n, (recipe, source, _) in definitions.items():
         if n in chosen:
             block += "\n\n" + (recipe if recipe != banner else "") + source
