@@ -873,7 +873,8 @@ def check_archive(path):
         raise ValueError("not a plain file")
     with zipfile.ZipFile(path) as archive:
         entries = archive.infolist()
-    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > os.path.getsize(path):
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
+            sum(e.file_size for e in entries) > os.path.getsize(path):
         raise ValueError("its zip entries are compressed; torch.save stores them")
 
 
@@ -925,7 +926,8 @@ def continue_checkpoint(path, resume):
 
 
 def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept`: what a stopped run leaves (mmap: the counter alone is read)."""
+    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept`: what a stopped run leaves (mmap: the
+    counter alone is read)."""
     with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
         check_archive(path)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

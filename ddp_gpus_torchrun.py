@@ -9,8 +9,7 @@ Each process prints the seed's line (`[GPU: 0] Epoch: 0 | Batchsize: 32 | Steps:
 `CPU` on CPU); rank 0 adds the epoch's loss over all processes.
 
 Launch:
-    torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --max_epochs 5 --batch_size 32
-    torchrun --standalone --nproc-per-node=gpu --max-restarts=3 ddp_gpus_torchrun.py   # restarts on a failure
+    torchrun --standalone --nproc-per-node=gpu --max-restarts=3 ddp_gpus_torchrun.py --max_epochs 5  # 3 restarts
     torchrun --nnodes=2 --node-rank=0 --master-addr=HOST0 --master-port=29500 --nproc-per-node=8 ddp_gpus_torchrun.py
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node=2 ddp_gpus_torchrun.py --device cpu
 
@@ -53,8 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", "--snapshot_path", dest="snapshot_path", metavar="PATH", help="snapshot file",
                    default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
     p.add_argument("--resume", action="store_true", help="continue a snapshot that another run wrote")
-    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
-                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # the old launcher's
     p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
@@ -136,12 +134,11 @@ class Trainer:
         self.steps = 0
 
     def _load_snapshot(self, model, resume):
-        epochs_run = 0
-        if resume:
-            snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model)  # loads model
+        snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model) if resume else None
+        if snapshot:  # the model holds its weights already
             self.optimizer.load_state_dict(snapshot["optimizer"])
-            epochs_run = snapshot["epochs_run"]
             note_world_change(snapshot, len(self.train_dataloader), self.train_dataloader.batch_size)
+        epochs_run = snapshot["epochs_run"] if snapshot else 0
         # a rank that cannot see the snapshot would train other epochs and hang the job
         check_same_on_every_rank(epochs_run, "snapshot epochs", "put the snapshot where every node sees it")
         print0(f"resuming from snapshot at epoch {epochs_run}" if epochs_run else "starting from scratch")
@@ -239,10 +236,8 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
-def main():
+def main(args):
     """One process of the job: mp.spawn passes its rank (ddp_gpus.py), or torchrun sets RANK."""
-    args = check_args(parse_args())
-    prepare_rendezvous(args)  # plain `python`: a world of one
     device = setup(args)
     try:
         with explained_failures(args.timeout, lambda: describe_checkpoint(args.snapshot_path)):
@@ -755,7 +750,8 @@ def check_archive(path):
         raise ValueError("not a plain file")
     with zipfile.ZipFile(path) as archive:
         entries = archive.infolist()
-    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or sum(e.file_size for e in entries) > os.path.getsize(path):
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
+            sum(e.file_size for e in entries) > os.path.getsize(path):
         raise ValueError("its zip entries are compressed; torch.save stores them")
 
 
@@ -807,7 +803,8 @@ def continue_checkpoint(path, resume):
 
 
 def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept`: what a stopped run leaves (mmap: the counter alone is read)."""
+    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept`: what a stopped run leaves (mmap: the
+    counter alone is read)."""
     with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
         check_archive(path)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -870,4 +867,6 @@ def spawn_processes(fn, args, nprocs):
 
 
 if __name__ == "__main__":
-    main()
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one
+    main(args)  # torchrun started this process, one of N
