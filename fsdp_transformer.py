@@ -1746,8 +1746,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 
 # ---- recipe: printing: one line in one write, on rank 0 only unless every_rank
 def print0(line, file=None, every_rank=False):
-    """In one write: print() writes the text and the newline apart under PYTHONUNBUFFERED=1, and the
-    lines of concurrent ranks run into each other."""
+    """In one write: under PYTHONUNBUFFERED=1 print() writes the newline apart, and ranks' lines interleave."""
     if every_rank or (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
         file = file or sys.stdout
         file.write(f"{line}\n")
@@ -1845,8 +1844,7 @@ def resolve_device(args, here=None):
 
 
 def bf16_supported(device, emulated=False):
-    """Whether the current device computes bfloat16; emulated bf16 (CUDA before Ampere, slower than fp16
-    with a GradScaler) counts only with `emulated`. A CPU: its bf16 instructions (without, oneDNN is slower)."""
+    """Whether the current device computes bfloat16 natively (emulated: slower than fp16, counted only if asked)."""
     if device.type == "cpu" and not hasattr(torch.cpu, "get_capabilities"):  # torch 2.7 cannot ask the CPU
         if not emulated:
             print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
@@ -1897,8 +1895,7 @@ def prepare_rendezvous(args, spawning=False):
 
 
 def check_local_rank(device, named, count=None):
-    """LOCAL_RANK picks one of this machine's `count` devices. named: the launcher set it; else it is RANK
-    (every rank on this machine), which a second machine cannot hold."""
+    """LOCAL_RANK picks one of this machine's `count` devices (named: the launcher set it; else it is RANK)."""
     if device == "cpu":
         return
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -1949,8 +1946,7 @@ def attempt_store(rank, world_size, timeout):
 
 
 def open_attempt(store, world_size, deadline):
-    """Rank 0: open attempt n (an atomic add) and answer every rank's request with it, a dead attempt's too,
-    until all have joined n; TimeoutError names the missing."""
+    """Rank 0: open attempt n (an atomic add), answer every request with it until all joined n, else TimeoutError."""
     attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
     while missing:
         for r in sorted(missing):
@@ -2064,8 +2060,7 @@ def explain_collective_failure(error, health, timeout):
 
 
 def mismatch_of(text):
-    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in Tensor
-    shapes: 4 vs 3` from DETAIL's text."""
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in ...`"""
     sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
                        r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
     described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
@@ -2160,8 +2155,7 @@ def held_part(p):
 
 
 def fingerprint_terms(local, offsets, shape, base, rows=4096):
-    """sum(x * sin(base + i)), i each value's flat index in a tensor of `shape` of which `local` is the block
-    at `offsets`: in float64, a few rows at a time, never a copy of the whole."""
+    """sum(x * sin(base + i)) over the block `local` at `offsets` of a tensor of `shape`, a few rows at a time."""
     if local.dim() == 0:  # a scalar parameter: one row of one value
         local, offsets, shape = local.reshape(1), (0,), (1,)
     strides = torch.empty(shape, device="meta").stride()
@@ -2178,8 +2172,7 @@ def fingerprint_terms(local, offsets, shape, base, rows=4096):
 
 # ---- recipe: atomic save: a crash mid-write leaves the previous file whole
 def atomic_write(path, write):
-    """write(file) into a new temporary file (O_EXCL: a link planted there is not followed), flushed to disk,
-    renamed over `path` (atomic on POSIX), then the folder flushed."""
+    """write(file) into a new file (O_EXCL: no planted link followed), flushed, renamed over `path`, folder flushed."""
     tmp = f"{path}.tmp{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
@@ -2236,8 +2229,7 @@ def load_checkpoint(path, keys, model=None):
 
 
 def check_archive(path):
-    """ValueError unless a plain file (a FIFO would hang the read) holding a zip as torch.save writes it:
-    no entry compressed (torch.load would inflate 115 KB of zeros to 64 MiB)."""
+    """ValueError unless a plain file (not a FIFO) holding torch.save's zip, no entry compressed (a zip bomb)."""
     if not stat.S_ISREG(os.stat(path).st_mode):
         raise ValueError("not a plain file")
     with zipfile.ZipFile(path) as archive:
