@@ -720,7 +720,8 @@ def lr_at_share(share, args):
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def autocast(amp, device):
+def autocast(device, amp):
+    """Mixed precision for the forward pass (and the loss); a no-op with --amp off."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
@@ -926,7 +927,7 @@ class Trainer:
         self.model = model  # the unwrapped module: evaluate, sample and save this one
         self.train_set, self.val_set, self.vocab, self.config = data
         self.optimizer, self.scaler, self.device, self.args = optimizer, scaler, device, args
-        self.amp = autocast(args.amp, device)
+        self.amp = autocast(device, args.amp)
         # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
         self.epochs_run, self.windows_in_epoch, self.step = 0, 0, 0
         # --time_budget: seconds spent by the runs before this one, the clock at the first step, the clock now,

@@ -90,6 +90,17 @@ def test_a_script_carries_only_what_it_or_its_sibling_reaches(name):
                                     f"{sorted(set(carried) - reached)}"
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_script_without_checkpoints_carries_no_checkpoint_code(name):
+    lesson, block, _ = harness_of(name)
+    _, found = sync_harness.reference()
+    checkpoint_code = {n for n, (banner, _, _) in found.items() if banner.startswith(("# ---- recipe: safe load",
+                                                                                      "# ---- recipe: resume"))}
+    pair = next((p for p in sync_harness.SIBLINGS if name in p), (name,))  # a pair carries the union
+    if not any("--checkpoint" in harness_of(script)[0] for script in pair):
+        assert not checkpoint_code & set(definitions(block)) and "def save_checkpoint" not in block, name
+
+
 def test_the_reference_is_small_and_every_recipe_names_what_it_needs():
     source = sync_harness.REFERENCE.read_text()
     # issue 35 aims at 480; 849 before it. What the last 160 lines would cost (capabilities the tests
