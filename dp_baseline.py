@@ -404,8 +404,8 @@ def print_comparison(single, ddp):
     for name, cell in rows:
         print0(f"{name:28} {cell(single):>28} {cell(ddp):>28}")
     print0(f"ddp / {single['mode']} throughput: {ddp['steady_samples_per_s'] / single['steady_samples_per_s']:.2f}x; "
-        f"final losses differ by {abs(ddp['final_loss'] - single['final_loss']):.2e} "
-        f"(same global batches; only the float summation order differs)\n")
+           f"final losses differ by {abs(ddp['final_loss'] - single['final_loss']):.2e} "
+           f"(same global batches; only the float summation order differs)\n")
 
 
 def report(records, args):
@@ -419,7 +419,7 @@ def report(records, args):
                        f"{r['final_loss']:.4f}, test acc {r['test_accuracy']:.3f}" for r in records)
     in_sync = all(r["replicas_in_sync"] for r in records)
     print0(f"done: {summary['script']} | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {runs} | "
-        f"replicas {'in sync' if in_sync else 'DIFFER'}")
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
     if not in_sync:
         sys.exit(1)
 
