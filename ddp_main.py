@@ -299,41 +299,41 @@ def check_data(args):
              "the offline stand-in", every_node=True)
 
 
-def class_files(folder, extensions):
-    """{class: its image files}, as ImageFolder finds them: one subfolder per class, searched to any depth."""
-    classes = sorted(entry.name for entry in os.scandir(folder) if entry.is_dir())
-    return {c: sorted(os.path.join(top, name) for top, _, names in os.walk(os.path.join(folder, c), followlinks=True)
-                      for name in names if name.lower().endswith(extensions)) for c in classes}
-
-
 def check_image_folder(root):
     """An image folder's layout, checked: the classes (from train/), the test split (test/ or val/), and
-    one size and mode for every image. Returns what the model and the data line need, else one error line."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS  # see mnist_files
+    one size and mode for every image. Returns what the model and the data line need, with the two splits
+    as ImageFolder datasets (the folder's one walk: training reads the files checked here), else one error line."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder  # see mnist_files
     splits = [os.path.join(root, name) for name in ("train", "test", "val") if os.path.isdir(os.path.join(root, name))]
     if len(splits) < 2:
         fail(f"the image folder {root} has train/ but no test/ or val/", f"put held-out images of the same "
              f"classes in {os.path.join(root, 'test')}/<class>/*", every_node=True)
-    train, test = (class_files(folder, IMG_EXTENSIONS) for folder in splits[:2])
-    empty = [os.path.join(folder, c) for folder, split in zip(splits, (train, test)) for c in split if not split[c]]
-    if not train or empty:
-        fail(f"{'empty class folder(s): ' + ', '.join(empty[:3]) if empty else splits[0] + ' has no class folders'}",
-             f"put images ({', '.join(IMG_EXTENSIONS)}) in each class folder, or remove the empty ones",
-             every_node=True)
-    if set(test) - set(train):
-        fail(f"{splits[1]} has classes the training split lacks: {', '.join(sorted(set(test) - set(train))[:5])}",
+    bare = [folder for folder in splits[:2] if not any(entry.is_dir() for entry in os.scandir(folder))]
+    if bare:  # ImageFolder's own error would be a traceback
+        fail(f"{bare[0]} has no class folders", f"put the images of each class in {bare[0]}/<class>/", every_node=True)
+    # ImageFolder's walk (one subfolder per class, searched to any depth), empty class folders kept to be named
+    train, test = (ImageFolder(folder, loader=read_image, allow_empty=True) for folder in splits[:2])
+    classes, tested = set(train.classes), set(test.classes)
+    empty = [os.path.join(folder, c) for folder, split in zip(splits, (train, test))
+             for c in sorted(set(split.classes) - {split.classes[t] for t in split.targets})]
+    if empty:
+        fail(f"empty class folder(s): {', '.join(empty[:3])}", f"put images ({', '.join(IMG_EXTENSIONS)}) in each "
+             "class folder, or remove the empty ones", every_node=True)
+    if tested - classes:
+        fail(f"{splits[1]} has classes the training split lacks: {', '.join(sorted(tested - classes)[:5])}",
              "add training images of them, or remove them from the test split", every_node=True)
-    if set(train) - set(test):  # allowed (a small test split), but the accuracy then leaves them out
-        missing = sorted(set(train) - set(test))
+    if classes - tested:  # allowed (a small test split), but the accuracy then leaves them out
+        missing = sorted(classes - tested)
         print0(f"note: {splits[1]} has no images of {listed(missing)} ({plural(len(missing), 'class')} of "
-               f"{len(train)}): the test accuracy leaves them out")
-    mode, (width, height) = image_format([f for split in (train, test) for files in split.values() for f in files])
+               f"{len(classes)}): the test accuracy leaves them out")
+    mode, (width, height) = image_format([path for split in (train, test) for path, _ in split.samples])
     if mode not in IMAGE_MODES or min(width, height) < 4:
         fail(f"the images in {root} are {mode}, {width} x {height}", "convert them to L, RGB or RGBA, "
              "at least 4 x 4 pixels", every_node=True)
     shape = [IMAGE_MODES[mode], height, width]
-    return {"kind": "images", "train": splits[0], "test": splits[1], "classes": sorted(train), "shape": shape,
-            "name": f"image folder of {len(train)} classes, {' x '.join(map(str, shape))}"}
+    return {"kind": "images", "train": splits[0], "test": splits[1], "classes": train.classes, "shape": shape,
+            "name": f"image folder of {len(classes)} classes, {' x '.join(map(str, shape))}",
+            "sets": (train, test)}
 
 
 def image_format(files, most=DECODED):
@@ -415,8 +415,8 @@ def folder_sets(args):
     transforms = torchvision.transforms
     info, root = args.image_folder, args.data or DEFAULT_DATA
     if info:
-        train = torchvision.datasets.ImageFolder(info["train"], transforms.ToTensor(), loader=read_image)
-        test = torchvision.datasets.ImageFolder(info["test"], loader=read_image)
+        train, test = info["sets"]  # as check_image_folder found them: the folder is not walked again
+        train.transform = transforms.ToTensor()  # what normalization() reads
         # the test split's classes are numbered as the training split's, which may have more
         test.target_transform = {i: train.class_to_idx[c] for i, c in enumerate(test.classes)}.__getitem__
     else:
@@ -624,7 +624,8 @@ def write_checkpoint(model, optimizer, scaler, epoch, args, card):
     if dist.get_rank() == 0:
         save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scaler": scaler.state_dict(), "epoch": epoch, "data": card,
-                         "args": dict(vars(args))},  # plain values only, so weights_only loading works
+                         # plain values only, so weights_only loading works: not an image folder's datasets
+                         "args": {**vars(args), "image_folder": None}},
                         args.checkpoint)
     dist.barrier()
 

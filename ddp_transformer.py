@@ -946,9 +946,7 @@ class Trainer:
         if checkpoint is not None:
             note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
         peak, self.peak_source = device_peak(args, device)
-        # the peak of every device in use, for the MFU
-        self.clock = Throughput(flops_per_token(model, args.block_size), peak * dist.get_world_size() if peak
-                                else None, device, args.compile)
+        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
         self.memory = memory or Memory(device)  # train()'s counts its peak from before the model was built
         # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
         self.steps, self.windows, self.save_s, self.logged = 0, [], [], {}
@@ -986,7 +984,7 @@ class Trainer:
                              "schedule": self.schedule,
                              # with the seconds kept for the end (a resumed run keeps its own), and at
                              # least the ranks' agreed clock (rank 0's may be behind the slowest one's)
-                             "budget_spent_s": max(self.spent, self.spent_before + self.clock.since_start()
+                             "budget_spent_s": max(self.spent, self.spent_before + time.perf_counter() - STARTED
                                                    + self.reserve),
                              "budget_from_s": self.budget_from},
                             self.args.checkpoint)  # save_checkpoint adds the world size and the job
@@ -1009,7 +1007,7 @@ class Trainer:
         start-up and the first validation take nothing from its warmup."""
         if not self.args.time_budget:
             return False
-        spent = self.spent_before + self.clock.since_start() + self.reserve
+        spent = self.spent_before + time.perf_counter() - STARTED + self.reserve
         spent = torch.tensor([spent], dtype=torch.float64, device=self.device)
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         self.spent = spent.item()
@@ -1074,7 +1072,8 @@ class Trainer:
     def train(self):
         """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
         history, ended = [], self.epochs_run
-        self.clock.start()
+        self.clock = Throughput(flops_per_token(self.model, self.args.block_size), self.peak, self.device,
+                                COMPILE_TIME if self.args.compile else None)
         for epoch in range(self.epochs_run, self.epochs):
             if self.step >= self.total or self.out_of_time():  # no epoch of no step
                 break
@@ -1095,86 +1094,53 @@ class Trainer:
 
 
 class Throughput:
-    """The clock behind tokens/s and MFU, kept apart so that the Trainer shows the loop.
+    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
+    of the first optimizer step (it allocates, and with --compile compiles) to stop(), less the seconds
+    left_out() (evaluation, checkpoints). Every rate printed, and the metrics', counts this way."""
 
-    It starts after the first step, which allocates (and with --compile compiles) and would
-    dominate a short run; the seconds of evaluation and checkpoints are left out. Every figure
-    printed comes from here, so the epoch lines and the summary count the same way and say so.
-    """
-
-    def __init__(self, flops_per_token, peak, device, compiling):
+    def __init__(self, flops_per_token, peak, device, compiling=None):  # compiling: what it takes, or None
         self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
-        # tokens of all ranks after the first step; seconds left out; the clock's start; the log line's mark
-        self.tokens, self.skipped, self.clock, self.first_step_s, self.mark = 0, 0.0, None, 0.0, (0.0, 0)
-        self.started = self.stopped = None
-
-    def start(self):
-        self.started = time.perf_counter()
-        if self.compiling:  # otherwise the first step is a minute of silence
-            print0(f"compiling: the first step compiles the model before it trains ({COMPILE_TIME}); "
+        self.started, self.clock, self.stopped, self.first_step_s = time.perf_counter(), None, None, 0.0
+        self.tokens, self.mark, self.excludes = 0, (0.0, 0), f"first step{' (compiling)' if compiling else ''} left out"
+        if compiling:  # otherwise the first step is a minute of silence
+            print0(f"compiling: the first step compiles the model before it trains ({compiling}); "
                    "tokens/s and MFU leave it out")
 
-    def since_start(self):
-        """Wall-clock seconds since the script started, start-up, evaluations and checkpoints in:
-        --time_budget's clock."""
-        return time.perf_counter() - STARTED
-
-    def stepped(self, step_tokens):
-        """After each optimizer step: the first one starts the clock, the others count their tokens."""
-        if self.clock is None:
-            if self.device.type != "cpu":
-                torch.accelerator.synchronize(self.device)
-            self.clock = time.perf_counter()
-            self.first_step_s = self.clock - self.started
-            if self.compiling:
-                print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
-        else:
-            self.tokens += step_tokens
-
-    def left_out(self, seconds):
-        """Leave `seconds` (evaluation, a checkpoint) out of the throughput."""
+    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
         if self.clock is not None:
-            self.skipped += seconds
+            self.tokens += tokens
+            return
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        self.clock = time.perf_counter()
+        self.first_step_s = self.clock - self.started
+        if self.compiling:
+            print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
+
+    def left_out(self, seconds):  # once started, the clock starts that much later
+        if self.clock is not None:
+            self.clock += seconds
 
     def stop(self):
         self.stopped = time.perf_counter()
 
-    def reading(self):
-        """(training seconds, tokens) after the first step, evaluation and checkpoints left out."""
-        if self.clock is None:
-            return 0.0, 0
-        return (self.stopped or time.perf_counter()) - self.clock - self.skipped, self.tokens
+    def reading(self):  # (seconds, tokens) timed so far
+        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
 
-    def seconds(self):
-        return self.reading()[0]
-
-    def tokens_per_s(self):
-        """Training tokens per second of all ranks together, after the first step."""
-        seconds, tokens = self.reading()
-        return tokens / seconds if seconds > 0 else 0.0
-
-    def what_is_left_out(self):
-        return "first step (compiling) left out" if self.compiling else "first step left out"
+    def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
+        seconds, tokens = now[0] - since[0], now[1] - since[1]
+        rate = tokens / seconds if seconds > 0 else 0.0
+        return rate, f" | MFU {100 * rate * self.flops_per_token / self.peak:.2f}%" if self.peak and seconds > 0 else ""
 
     def rate_since(self, since):
-        """`8991 tokens/s (first step left out) | MFU 1.20%` for the steps since the reading `since`."""
-        (seconds, tokens), (then_s, then_tokens) = self.reading(), since
-        rate = (tokens - then_tokens) / (seconds - then_s) if seconds > then_s else 0.0
-        # the run's first step falls in this stretch only when it starts at the beginning, before the clock
-        note = f" ({self.what_is_left_out()})" if since == (0.0, 0) else \
-            " (no compiling in it)" if self.compiling else ""
-        return f"{rate:.0f} tokens/s{note}{self.mfu_text(tokens - then_tokens, seconds - then_s)}"
+        """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
+        rate, mfu = self.rate(since, self.reading())
+        note = f" ({self.excludes})" if since == (0.0, 0) else " (no compiling in it)" if self.compiling else ""
+        return f"{rate:.0f} tokens/s{note}{mfu}"
 
-    def mfu_since_mark(self):
-        """The MFU of the steps since the last log line, for that line."""
-        now, self.mark = self.mark, self.reading()
-        return self.mfu_text(self.mark[1] - now[1], self.mark[0] - now[0]) if now[1] or self.mark[1] else ""
-
-    def mfu_text(self, tokens, seconds):
-        """` | MFU 41.20%`: model FLOPs per second over the peak of every device in use (none unknown)."""
-        if not self.peak or not seconds > 0:
-            return ""
-        return f" | MFU {100 * tokens * self.flops_per_token / seconds / self.peak:.2f}%"
+    def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
+        since, self.mark = self.mark, self.reading()
+        return self.rate(since, self.mark)[1] if self.mark[1] else ""
 
 
 class Memory:
@@ -1301,7 +1267,7 @@ def describe(trainer, name, entropy):
            + f" of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    peak = trainer.clock.peak
+    peak = trainer.peak
     print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
            else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
@@ -1314,13 +1280,13 @@ def report(trainer, history, epochs, losses, in_sync, args):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
     first_val, val, entropy = losses
     clock, fpt = trainer.clock, trainer.clock.flops_per_token
-    tokens_per_s, peak = clock.tokens_per_s(), clock.peak
+    tokens_per_s, peak = clock.rate((0.0, 0), clock.reading())[0], clock.peak  # (the clock is stopped)
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
         "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
         "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "block_size": args.block_size, "elapsed_s": clock.seconds(), "first_step_s": clock.first_step_s,
+        "block_size": args.block_size, "elapsed_s": clock.reading()[0], "first_step_s": clock.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
         "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
@@ -1333,14 +1299,14 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "throughput_excludes": clock.what_is_left_out() + ", evaluation and checkpoints left out",
+        "throughput_excludes": clock.excludes + ", evaluation and checkpoints left out",
         **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}")
     if trainer.steps:  # a resumed run with nothing left to train has no speed to report
         print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
-               f"{clock.first_step_s:.1f} s" + (" (compiling)" if args.compile else ""))
+               f"{clock.first_step_s:.1f} s" + (" (compiling)" if clock.compiling else ""))
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
            + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
     if dist.get_rank() == 0 and args.metrics:

@@ -117,8 +117,6 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
-# What --compile's first step took in ddp_transformer.py (its docstring); Throughput is the same in both files
-COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
 LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
 MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
@@ -1293,9 +1291,7 @@ class Trainer:
         if checkpoint is not None:
             note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
         peak, self.peak_source = device_peak(args, device)
-        # the peak of every device in use, for the MFU
-        self.clock = Throughput(flops_per_token(model, args.block_size), peak * dist.get_world_size() if peak
-                                else None, device, compiling=False)
+        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
         # train()'s Memory counts its peak from before the model was built
         self.memory = memory or Memory(device, args.profile_memory)
         # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
@@ -1405,7 +1401,7 @@ class Trainer:
     def train(self):
         """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
         history, ended = [], self.epochs_run
-        self.clock.start()
+        self.clock = Throughput(flops_per_token(self.model, self.args.block_size), self.peak, self.device)
         for epoch in range(self.epochs_run, self.epochs):
             if self.step >= self.total:
                 break
@@ -1425,81 +1421,53 @@ class Trainer:
 
 
 class Throughput:
-    """The clock behind tokens/s and MFU, kept apart so that the Trainer shows the loop.
+    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
+    of the first optimizer step (it allocates, and with --compile compiles) to stop(), less the seconds
+    left_out() (evaluation, checkpoints). Every rate printed, and the metrics', counts this way."""
 
-    It starts after the first step, which allocates (and with --compile compiles) and would
-    dominate a short run; the seconds of evaluation and checkpoints are left out. Every figure
-    printed comes from here, so the epoch lines and the summary count the same way and say so.
-    """
-
-    def __init__(self, flops_per_token, peak, device, compiling):
+    def __init__(self, flops_per_token, peak, device, compiling=None):  # compiling: what it takes, or None
         self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
-        # tokens of all ranks after the first step; seconds left out; the clock's start; the log line's mark
-        self.tokens, self.skipped, self.clock, self.first_step_s, self.mark = 0, 0.0, None, 0.0, (0.0, 0)
-        self.started = self.stopped = None
-
-    def start(self):
-        self.started = time.perf_counter()
-        if self.compiling:  # otherwise the first step is a minute of silence
-            print0(f"compiling: the first step compiles the model before it trains ({COMPILE_TIME}); "
+        self.started, self.clock, self.stopped, self.first_step_s = time.perf_counter(), None, None, 0.0
+        self.tokens, self.mark, self.excludes = 0, (0.0, 0), f"first step{' (compiling)' if compiling else ''} left out"
+        if compiling:  # otherwise the first step is a minute of silence
+            print0(f"compiling: the first step compiles the model before it trains ({compiling}); "
                    "tokens/s and MFU leave it out")
 
-    def stepped(self, step_tokens):
-        """After each optimizer step: the first one starts the clock, the others count their tokens."""
-        if self.clock is None:
-            if self.device.type != "cpu":
-                torch.accelerator.synchronize(self.device)
-            self.clock = time.perf_counter()
-            self.first_step_s = self.clock - self.started
-            if self.compiling:
-                print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
-        else:
-            self.tokens += step_tokens
-
-    def left_out(self, seconds):
-        """Leave `seconds` (evaluation, a checkpoint) out of the throughput."""
+    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
         if self.clock is not None:
-            self.skipped += seconds
+            self.tokens += tokens
+            return
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        self.clock = time.perf_counter()
+        self.first_step_s = self.clock - self.started
+        if self.compiling:
+            print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
+
+    def left_out(self, seconds):  # once started, the clock starts that much later
+        if self.clock is not None:
+            self.clock += seconds
 
     def stop(self):
         self.stopped = time.perf_counter()
 
-    def reading(self):
-        """(training seconds, tokens) after the first step, evaluation and checkpoints left out."""
-        if self.clock is None:
-            return 0.0, 0
-        return (self.stopped or time.perf_counter()) - self.clock - self.skipped, self.tokens
+    def reading(self):  # (seconds, tokens) timed so far
+        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
 
-    def seconds(self):
-        return self.reading()[0]
-
-    def tokens_per_s(self):
-        """Training tokens per second of all ranks together, after the first step."""
-        seconds, tokens = self.reading()
-        return tokens / seconds if seconds > 0 else 0.0
-
-    def what_is_left_out(self):
-        return "first step (compiling) left out" if self.compiling else "first step left out"
+    def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
+        seconds, tokens = now[0] - since[0], now[1] - since[1]
+        rate = tokens / seconds if seconds > 0 else 0.0
+        return rate, f" | MFU {100 * rate * self.flops_per_token / self.peak:.2f}%" if self.peak and seconds > 0 else ""
 
     def rate_since(self, since):
-        """`8991 tokens/s (first step left out) | MFU 1.20%` for the steps since the reading `since`."""
-        (seconds, tokens), (then_s, then_tokens) = self.reading(), since
-        rate = (tokens - then_tokens) / (seconds - then_s) if seconds > then_s else 0.0
-        # the run's first step falls in this stretch only when it starts at the beginning, before the clock
-        note = f" ({self.what_is_left_out()})" if since == (0.0, 0) else \
-            " (no compiling in it)" if self.compiling else ""
-        return f"{rate:.0f} tokens/s{note}{self.mfu_text(tokens - then_tokens, seconds - then_s)}"
+        """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
+        rate, mfu = self.rate(since, self.reading())
+        note = f" ({self.excludes})" if since == (0.0, 0) else " (no compiling in it)" if self.compiling else ""
+        return f"{rate:.0f} tokens/s{note}{mfu}"
 
-    def mfu_since_mark(self):
-        """The MFU of the steps since the last log line, for that line."""
-        now, self.mark = self.mark, self.reading()
-        return self.mfu_text(self.mark[1] - now[1], self.mark[0] - now[0]) if now[1] or self.mark[1] else ""
-
-    def mfu_text(self, tokens, seconds):
-        """` | MFU 41.20%`: model FLOPs per second over the peak of every device in use (none unknown)."""
-        if not self.peak or not seconds > 0:
-            return ""
-        return f" | MFU {100 * tokens * self.flops_per_token / seconds / self.peak:.2f}%"
+    def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
+        since, self.mark = self.mark, self.reading()
+        return self.rate(since, self.mark)[1] if self.mark[1] else ""
 
 
 class Memory:
@@ -1658,7 +1626,7 @@ def describe(trainer, name, entropy):
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    peak = trainer.clock.peak
+    peak = trainer.peak
     print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
            else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
@@ -1671,13 +1639,13 @@ def report(trainer, history, epochs, losses, in_sync, args):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
     first_val, val, entropy = losses
     clock, fpt = trainer.clock, trainer.clock.flops_per_token
-    tokens_per_s, peak = clock.tokens_per_s(), clock.peak
+    tokens_per_s, peak = clock.rate((0.0, 0), clock.reading())[0], clock.peak  # (the clock is stopped)
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": trainer.load_s,
         "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
         "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "block_size": args.block_size, "elapsed_s": clock.seconds(), "first_step_s": clock.first_step_s,
+        "block_size": args.block_size, "elapsed_s": clock.reading()[0], "first_step_s": clock.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
         "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
@@ -1690,14 +1658,14 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
         "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "throughput_excludes": clock.what_is_left_out() + ", evaluation and checkpoints left out",
+        "throughput_excludes": clock.excludes + ", evaluation and checkpoints left out",
         **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}")
     if trainer.steps:  # a resumed run with nothing left to train has no speed to report
         print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
-               f"{clock.first_step_s:.1f} s")
+               f"{clock.first_step_s:.1f} s" + (" (compiling)" if clock.compiling else ""))
     window = "the whole run" if trainer.device.type != "cpu" or args.profile_memory else "first two steps"
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors ({window})")
     if dist.get_rank() == 0 and args.metrics:
