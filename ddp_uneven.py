@@ -969,8 +969,9 @@ def check_weights(path, state, model):
         fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
              "delete it, or point the script at one it wrote", every_node=True)
     if model is not None:
-        try:  # a model on the meta device (its shapes only) takes the tensors as they are: nothing to copy into
-            model.load_state_dict(theirs, assign=any(p.is_meta for p in model.parameters()))
+        meta = any(p.is_meta for p in model.parameters())  # shapes only: it takes the tensors, nothing to copy into
+        try:  # a copy to assign from: load_state_dict leaves assign=True in the dict's _metadata for the next load
+            model.load_state_dict(dict(theirs) if meta else theirs, assign=meta)
         except RuntimeError as e:  # its text from the 7th word: "size mismatch for w: copying a param with shape ..."
             why = re.sub(r"torch\.Size\(\[(.*?)\]\)", r"(\1)", " ".join(str(e).split()[6:]))
             fail(f"{path} is for another model or configuration ({why[:200]})",

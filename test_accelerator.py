@@ -358,6 +358,21 @@ def test_spawn_names_the_signal_of_a_real_abort(capsys):
     assert capsys.readouterr().err.strip() == "error: process 0 was ended by SIGABRT (exit code -6)"
 
 
+def test_the_meta_shape_check_leaves_the_weights_to_be_copied():
+    """check_weights on a model on the meta device (ddp_transformer's read_checkpoint) must not leave
+    load_state_dict's assign=True in the checkpoint's dict (its _metadata): the real model's load would
+    then take the checkpoint's tensors as its parameters, and the optimizer would step tensors the model
+    no longer holds (a resumed run that trains nothing, caught by the slow elastic tests)."""
+    state = {"model": torch.nn.Linear(3, 2).state_dict()}
+    with torch.device("meta"):
+        ddp_transformer.check_weights("ck.pt", state, torch.nn.Linear(3, 2))
+    real = torch.nn.Linear(3, 2)
+    params = list(real.parameters())
+    real.load_state_dict(state["model"])
+    assert all(p is q for p, q in zip(params, real.parameters()))
+    assert torch.equal(real.weight, state["model"]["weight"]) and real.weight.data_ptr() != state["model"]["weight"].data_ptr()
+
+
 def test_checkpoint_is_described_through_mmap(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"model": torch.nn.Linear(64, 64).state_dict(), "epoch": 3}, path)
