@@ -1395,8 +1395,7 @@ def continue_checkpoint(path, resume):
 
 
 def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept`: what a stopped run leaves (mmap: the
-    counter alone is read)."""
+    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept` (mmap: the counter alone is read)."""
     with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
         check_archive(path)
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
