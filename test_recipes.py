@@ -421,6 +421,7 @@ finally:
 '''
 
 
+@pytest.mark.slow  # a torchrun launch of two attempts (12-14 s): the default suite's budget
 def test_store_lets_a_restarted_attempt_join(tmp_path):
     path = tmp_path / "restart.py"
     path.write_text(script((STORE, RELEASE), RESTART))
