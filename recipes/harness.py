@@ -30,9 +30,7 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 def print0(line, file=None, every_rank=False):
     """In one write: under PYTHONUNBUFFERED=1 print() writes the newline apart, and ranks' lines interleave."""
     if every_rank or (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-        file = file or sys.stdout
-        file.write(f"{line}\n")
-        file.flush()
+        print(f"{line}\n", end="", file=file or sys.stdout, flush=True)
 
 
 def plural(count, noun):
@@ -55,10 +53,9 @@ def report_error(line):
     """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
     stamped a second early: torchrun names the earliest as the root cause, so the rank that found it."""
     print0(line, sys.stderr, every_rank=True)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        stamp = str(int(time.time()) - 1)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
+            stamp = str(int(time.time()) - 1)
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
 
 
@@ -99,8 +96,7 @@ def check_folders(*paths):
 def resolve_device(args, here=None):
     """--device and --backend `auto` made concrete: torch.accelerator's device (`here`: take it to be of
     that type), else the CPU, and torch's default backend there; a backend fits the types torch lists."""
-    found = torch.accelerator.current_accelerator(check_available=True)
-    here = here or (found.type if found is not None else "cpu")
+    here = here or getattr(torch.accelerator.current_accelerator(check_available=True), "type", "cpu")
     args.device = kind = here if args.device == "auto" else args.device
     if kind not in ("cpu", here):
         fail(f"--device {kind} but " + (f"this machine's accelerator is {here}" if here != "cpu" else
@@ -118,22 +114,18 @@ def resolve_device(args, here=None):
         return args
     if default is not None and kind in carries[default]:
         fail(f"--backend {args.backend} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
-    if default is not None:  # mps: torch names gloo, whose collectives take no MPS tensors
-        fail(f"torch has no multi-process backend for {kind}: {default}, its default there, carries only "
-             f"{' and '.join(carries[default])} tensors", "use --device cpu")
-    fail(f"torch has no multi-process backend for {kind}", "use --device cpu" + (
-        "" if kind == "mps" else f", or install the package that adds {kind} to torch"))
+    fail(f"torch has no multi-process backend for {kind}" + (  # mps: torch names gloo, which takes no MPS tensors
+        f": {default}, its default there, carries only {' and '.join(carries[default])} tensors" if default else ""),
+         "use --device cpu" + ("" if default or kind == "mps" else f", or install the package that adds {kind} to torch"))
 
 
 def bf16_supported(device, emulated=False):
     """Whether the current device computes bfloat16 natively (emulated: slower than fp16, counted only if asked)."""
-    if device.type == "cpu" and not hasattr(torch.cpu, "get_capabilities"):  # torch 2.7 cannot ask the CPU
-        if not emulated:
-            print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
-                   "natively (no torch.cpu.get_capabilities): taken as not")
-        return emulated
+    if device.type == "cpu" and not hasattr(torch.cpu, "get_capabilities") and not emulated:
+        print0(f"note: torch {torch.__version__} cannot tell whether this CPU computes bfloat16 "
+               "natively (no torch.cpu.get_capabilities): taken as not")
     if device.type == "cpu":
-        caps = torch.cpu.get_capabilities()
+        caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}  # torch 2.7: none
         return bool(caps.get("avx512_bf16") or caps.get("amx_bf16")) or emulated
     check = getattr(torch.get_device_module(device.type), "is_bf16_supported", None)
     if check is None:  # a module without the check: torch's own autocast default for the type
@@ -177,19 +169,15 @@ def prepare_rendezvous(args, spawning=False):
 
 
 def check_local_rank(device, named, count=None):
-    """LOCAL_RANK picks one of this machine's `count` devices (named: the launcher set it; else it is RANK)."""
-    if device == "cpu":
-        return
+    """LOCAL_RANK picks one of this machine's `count` devices (named: the launcher set it; else it is RANK).
+    The module's own count: torch 2.7's torch.accelerator.device_count() raises without a driver."""
     local_rank = int(os.environ["LOCAL_RANK"])
-    # the module's own count: torch 2.7's torch.accelerator.device_count() raises without a driver
     count = torch.get_device_module(device).device_count() if count is None else count
-    if local_rank < count:
-        return
-    if not named:
-        fail(f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+    if device != "cpu" and local_rank >= count:
+        fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible" if named else
+             f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             f"start at most {count} processes per node, or use --device cpu" if named else
              "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
-    fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible",
-         f"start at most {count} processes per node, or use --device cpu", every_rank=True)
 
 
 def check_port_free(addr, port):
@@ -316,23 +304,23 @@ def explain_collective_failure(error, health, timeout):
     """One line ("" where another rank says it, None: not a collective's failure). A timeout: a monitored
     barrier over `health` names who did not arrive; all did: they called different collectives. A connection
     closed: a peer was lost; the roll call through the store (it outlives gloo) says which."""
-    text, rank = str(error), dist.get_rank()
+    text, rank, wait = str(error), dist.get_rank(), min(timeout, 5)
     roll_call()
     if "Detected mismatch between collectives" in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL's check, on every rank
-        where = call_sites(error, health)
-        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+        return f"the ranks called different collectives ({mismatch_of(text)}): {call_sites(error, health)}" \
+            if rank == 0 else ""
     if "connection reset" in text.lower() or "connection closed" in text.lower():
-        answered = roll_call(min(timeout, 5))
+        answered = roll_call(wait)
         lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
         if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
             return ""
         return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
-                f"its connection closed mid-collective and it did not answer within {min(timeout, 5):g} s "
+                f"its connection closed mid-collective and it did not answer within {wait:g} s "
                 f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
     if "timed out" not in text.lower():
         return None
     try:
-        dist.monitored_barrier(group=health, timeout=timedelta(seconds=min(timeout, 5)), wait_all_ranks=True)
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=wait), wait_all_ranks=True)
     except RuntimeError as e:
         return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
     where = call_sites(error, health)
@@ -407,8 +395,13 @@ def replicas_in_sync(model, device):
     its shards must tile it. The fingerprint, sum(x * sin(i)) over the whole model, is the same sharded or not."""
     same, base, whole = True, 0, 0
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
-    for p in model.parameters():
-        local, offsets, first, groups = held_part(p.detach())
+    for p in (p.detach() for p in model.parameters()):
+        local, offsets, first, groups = p, (0,) * p.dim(), dist.get_rank() == 0, [None]  # all of p, on every rank
+        if hasattr(p, "device_mesh"):  # a DTensor: its mesh says who holds which part (its first chunk here)
+            replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
+            local, offsets = p.to_local(), tuple(p.__create_chunk_list__()[0].offsets)
+            first = all(p.device_mesh.get_coordinate()[i] == 0 for i in replicated)
+            groups = [p.device_mesh.get_group(i) for i in replicated]
         for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
             theirs = local.clone()
             dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
@@ -424,16 +417,6 @@ def replicas_in_sync(model, device):
     print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
            f"({plural(len(verdicts), 'rank')}, fingerprint {sums[0].item():.10e})")
     return not differ
-
-
-def held_part(p):
-    """(this rank's part of p, its offsets, whether this rank is its first holder, the groups that hold it too)."""
-    if not hasattr(p, "device_mesh"):  # a plain tensor: every rank holds all of it (None: the whole world)
-        return p, (0,) * p.dim(), dist.get_rank() == 0, [None]
-    mesh, chunk = p.device_mesh, p.__create_chunk_list__()[0]  # a DTensor: the mesh says who holds what
-    replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
-    first = all(mesh.get_coordinate()[i] == 0 for i in replicated)
-    return p.to_local(), tuple(chunk.offsets), first, [mesh.get_group(i) for i in replicated]
 
 
 def fingerprint_terms(local, offsets, shape, base, rows=4096):
