@@ -334,8 +334,8 @@ def resolve_device(args, here=None):
         return args
     if default is not None and kind in carries[default]:
         fail(f"--backend {args.backend} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
-    fail(f"torch has no multi-process backend for {kind}" + (  # mps: torch names gloo, which takes no MPS tensors
-        f": {default}, its default there, carries only {' and '.join(carries[default])} tensors" if default else ""),
+    carried = f": {default}, its default there, carries only {' and '.join(carries[default])} tensors" if default else ""
+    fail(f"torch has no multi-process backend for {kind}{carried}",  # mps: torch names gloo, which takes no MPS tensors
          "use --device cpu" + ("" if default or kind == "mps" else f", or install the package that adds {kind} to torch"))
 
 
@@ -511,8 +511,8 @@ def explain_collective_failure(error, health, timeout):
     text, rank, wait = str(error), dist.get_rank(), min(timeout, 5)
     roll_call()
     if "Detected mismatch between collectives" in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL's check, on every rank
-        return f"the ranks called different collectives ({mismatch_of(text)}): {call_sites(error, health)}" \
-            if rank == 0 else ""
+        where = call_sites(error, health)  # a collective: every rank takes part
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
     if "connection reset" in text.lower() or "connection closed" in text.lower():
         answered = roll_call(wait)
         lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
