@@ -496,7 +496,8 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         said = "default" in (action.help or "").replace("'s default", "")
-        return action.help if said or action.default in (None, False) else super()._get_help_string(action)
+        quiet = action.default is None or action.default is False  # `is`: 0 == False, and a default 0 is said
+        return action.help if said or quiet else super()._get_help_string(action)
 
 
 def check_positive(args, *names):
