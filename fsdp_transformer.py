@@ -169,6 +169,9 @@ def add_optimizer_args(p):
                         "the run's length): a run stopped early follows the schedule of the longer one")
     p.add_argument("--clip", type=float, default=1.0, metavar="NORM",
                    help="clip the global gradient norm to NORM (0: off)")
+    p.add_argument("--weight_decay", type=float, default=0.1, metavar="WD",
+                   help="decoupled weight decay of the weight matrices (not of biases, LayerNorm gains or the "
+                        "embedding): each step shrinks them by lr x WD")
     p.add_argument("--seed", type=int, default=0, help="seed for the weights, the shuffle and the sample")
 
 
@@ -269,9 +272,9 @@ def check_args(args):
     if args.d_model % args.num_heads:
         fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
              "pass e.g. --d_model 128 --num_heads 4")
-    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or args.clip < 0:
-        fail("--warmup and --dropout must be in [0, 1) and --clip 0 or more",
-             "e.g. --warmup 0.1 --dropout 0.1 --clip 1")
+    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0:
+        fail("--warmup and --dropout must be in [0, 1), --clip and --weight_decay 0 or more",
+             "e.g. --warmup 0.1 --dropout 0.1 --clip 1 --weight_decay 0.1")
     if FSDP_MISSING:
         fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
              "install torch 2.7 or later")
@@ -503,7 +506,7 @@ def rotate(x):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
-def causal_attention(q, k, v, dropout_p=0.0):
+def causal_attention(q, k, v):
     """Scaled dot-product attention in which position t attends to positions <= t only.
 
     Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
@@ -515,14 +518,14 @@ def causal_attention(q, k, v, dropout_p=0.0):
         # torch's CPU flash-attention backward is several times slower in bf16 than in
         # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
         with torch.autocast("cpu", enabled=False):
-            return causal_attention(q.float(), k.float(), v.float(), dropout_p).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            return causal_attention(q.float(), k.float(), v.float()).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MultiHeadSelfAttention(nn.Module):
-    def __init__(self, d_model, num_heads, dropout=0.0):
+    def __init__(self, d_model, num_heads):
         super().__init__()
-        self.num_heads, self.dropout = num_heads, dropout
+        self.num_heads = num_heads
         self.qkv_linear = nn.Linear(d_model, 3 * d_model)  # one matmul for q, k and v
         self.out_linear = nn.Linear(d_model, d_model)
 
@@ -533,7 +536,7 @@ class MultiHeadSelfAttention(nn.Module):
         qkv = self.qkv_linear(x).view(heads).permute(2, 0, 3, 1, 4)
         (q, k), v = rotate(qkv[:2]), qkv[2]  # queries and keys learn where each token is: see rotate
         # is_causal instead of a mask: the seed's mask was inverted and built on the CPU
-        out = causal_attention(q, k, v, self.dropout if self.training else 0.0)
+        out = causal_attention(q, k, v)
         return self.out_linear(out.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -550,7 +553,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, d_model, num_heads, d_ff, dropout=0.0):
         super().__init__()
-        self.attention = MultiHeadSelfAttention(d_model, num_heads, dropout)
+        self.attention = MultiHeadSelfAttention(d_model, num_heads)
         self.norm1 = nn.LayerNorm(d_model)
         self.ffn = FeedForward(d_model, d_ff)
         self.norm2 = nn.LayerNorm(d_model)
@@ -558,7 +561,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x):
         # pre-norm (GPT-2 style) rather than the seed's post-norm: it trains stably at
-        # AdamW's higher learning rates without a long warmup
+        # AdamW's higher learning rates without a long warmup. Dropout on the two branches only, not on
+        # the attention weights: there it sends SDPA to its math kernel on the CPU (1.8x the time of a
+        # layer), and the cpu10 recipe ended lower without it (docs/ten_minutes.md)
         x = x + self.dropout(self.attention(self.norm1(x)))
         return x + self.dropout(self.ffn(self.norm2(x)))
 
@@ -657,7 +662,7 @@ def make_optimizer(model, args):
     # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding (PORT: its name)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
     except (RuntimeError, TypeError):

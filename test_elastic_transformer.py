@@ -222,6 +222,28 @@ def test_preset_cpu10_is_the_documented_recipe():
     assert lr[-1] == pytest.approx(args.lr / 10) and 0 < lr[0] < args.lr / 10
 
 
+@pytest.mark.parametrize("name", ["ddp_transformer", "fsdp_transformer"])
+def test_weight_decay_reaches_the_matrices_only_and_a_bad_one_is_one_line(name, capsys):
+    """--weight_decay (the cpu10 recipe's 0.3 against the default 0.1: docs/ten_minutes.md) decays the
+    weight matrices, Muon's and AdamW's alike, never the biases, the gains or the embedding; a negative or
+    NaN one is one error line, exit 2. (A resumed run keeps its own: test_scripts' transformer resume.)"""
+    module = __import__(name)
+    torch.manual_seed(0)
+    model = ddp_transformer.Transformer(vocab_size=11, d_model=16, num_heads=2, d_ff=32, num_layers=2, max_len=8)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for optimizer in (["adamw"] if name == "fsdp_transformer" else ["adamw", "muon"]):
+        args = module.parse_args(["--weight_decay", "0.3", "--optimizer", optimizer, "--lr", "1e-3"])
+        groups = module.make_optimizer(model, args).param_groups
+        decayed = {names[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
+        assert all(g["weight_decay"] in (0.0, 0.3) for g in groups), groups
+        assert decayed == {n for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n}, decayed
+    for bad in ("-0.1", "nan"):
+        with pytest.raises(SystemExit) as exited:
+            module.check_args(module.parse_args(["--device", "cpu", "--weight_decay", bad]))
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(lines) == 1 and "--weight_decay" in lines[0], lines
+
+
 def test_peak_table_by_device_name_and_precision():
     """Dense peaks (TFLOP/s) by the names torch.cuda.get_device_name reports; none for what the table lacks."""
     peak = ddp_transformer.peak_of

@@ -913,7 +913,8 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     steps = m1["steps"] + 1  # fp16 on a CPU is slow: one step shows the resume
     # resumed by plain python, a world of one: the global batch of 2 x 8 windows is kept (2 micro-batches)
     out = launch([sys.executable, script(TRANSFORMER), "--device", "cpu", "--checkpoint", "ck.pt", "--resume",
-                  "--max_steps", steps, "--sample", "0", "--amp", "fp16", "--metrics", "m2.json"], timeout=300)
+                  "--max_steps", steps, "--sample", "0", "--amp", "fp16", "--metrics", "m2.json",
+                  "--weight_decay", "0.25"], timeout=300)
     m2 = metrics(tmp_path / "m2.json")
     assert f"resuming from ck.pt at epoch {state['epoch']}, step {m1['steps']}" in out.stdout, out
     assert out.stdout.count("global batch kept: 16 windows a step") == 1, out
@@ -927,6 +928,9 @@ def test_transformer_checkpoint_round_trip_and_resume(run_sh, launch, script, to
     epoch, steps_in = divmod(steps, spe)
     assert after["step"] == steps and (after["epoch"], after["windows_in_epoch"]) == (epoch, steps_in * 16)  # mid-epoch
     assert after["scaler"]["scale"] > 0, after["scaler"]
+    # the resumed run's own --weight_decay, not the checkpoint's (its groups' numbers come back with its state)
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.1, 0.0]
+    assert [g["weight_decay"] for g in after["optimizer"]["param_groups"]] == [0.25, 0.0]
 
     # a checkpoint of another model is refused before any process group exists (in this process)
     capsys.readouterr()
