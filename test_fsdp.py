@@ -7,6 +7,7 @@ Slow tier: the losses against a ddp_transformer.py launch, the weights at step 0
 reductions counted under gradient accumulation, resuming at other world sizes, a kill mid-save, bad
 checkpoints, a torchrun restart.
 """
+import gc
 import json
 import math
 import os
@@ -199,32 +200,39 @@ def free_port():
 
 def _sharded_worker(rank, world, port, out):
     """One rank of an in-process gloo world: the weights at step 0, whole (written by rank 0); at world 2
-    also the reduce-scatters of 3 accumulated micro-batches against 3 synced ones, and their gradients."""
+    also the reduce-scatters of 3 accumulated micro-batches against 3 synced ones, and their gradients.
+    The sharded model is freed before the group is destroyed, as the scripts' release_ddp does: else the
+    process could abort at exit (`terminate called without an active exception`, seen once at world 3)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        args = fsdp_transformer.fill_defaults(fsdp_transformer.parse_args(["--device", "cpu", "--checkpoint", "no"]))
-        text, _, vocab = fsdp_transformer.read_corpus(args)
-        config, cpu = fsdp_transformer.model_config(args, vocab), torch.device("cpu")
-        torch.manual_seed(args.seed)
-        model = fsdp_transformer.shard(fsdp_transformer.Transformer(**config), cpu, args)
-        local_rows = model.embedding.weight.to_local().shape[0]
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:  # the test gathers the whole model; the script never does (issue 33)
-            torch.save({"model": whole, "rows": local_rows}, out)
-        if world == 2:
-            train_set, _ = fsdp_transformer.build_data(args, text, vocab, "cpu")
-            x, y = train_set[torch.arange(rank * 6, rank * 6 + 6)]
-            counts, grads = [], []
-            for accumulate in (True, False):
-                counts.append(count_reduce_scatters(model, x, y, accumulate))
-                grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-                model.zero_grad(set_to_none=True)
-            if rank == 0:
-                torch.save({"counts": counts, "grads": grads}, f"{out}.accumulation")
+        _sharded_steps(rank, world, out)
     finally:
+        gc.collect()
         dist.destroy_process_group()
+
+
+def _sharded_steps(rank, world, out):
+    args = fsdp_transformer.fill_defaults(fsdp_transformer.parse_args(["--device", "cpu", "--checkpoint", "no"]))
+    text, _, vocab = fsdp_transformer.read_corpus(args)
+    config, cpu = fsdp_transformer.model_config(args, vocab), torch.device("cpu")
+    torch.manual_seed(args.seed)
+    model = fsdp_transformer.shard(fsdp_transformer.Transformer(**config), cpu, args)
+    local_rows = model.embedding.weight.to_local().shape[0]
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:  # the test gathers the whole model; the script never does (issue 33)
+        torch.save({"model": whole, "rows": local_rows}, out)
+    if world == 2:
+        train_set, _ = fsdp_transformer.build_data(args, text, vocab, "cpu")
+        x, y = train_set[torch.arange(rank * 6, rank * 6 + 6)]
+        counts, grads = [], []
+        for accumulate in (True, False):
+            counts.append(count_reduce_scatters(model, x, y, accumulate))
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+            model.zero_grad(set_to_none=True)
+        if rank == 0:
+            torch.save({"counts": counts, "grads": grads}, f"{out}.accumulation")
 
 
 def count_reduce_scatters(model, x, y, accumulate, k=3):
