@@ -100,7 +100,7 @@ MAX_STEPS = 60
 # slower or busier machine too, with fewer steps: the budget leaves a minute for start-up and validation.
 PRESETS = {"cpu10": {"time_budget": 540, "d_model": 192, "num_layers": 4, "num_heads": 4, "block_size": 128,
                      "batch_size": 16, "optimizer": "muon", "lr": 8e-3, "weight_decay": 0.3, "warmup": 0.05,
-                     "dropout": 0.1, "amp": "bf16", "log_every": 200, "sample": 300}}
+                     "lr_floor": 0.0, "dropout": 0.1, "amp": "bf16", "log_every": 200, "sample": 300}}
 # What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 
@@ -160,7 +160,10 @@ def add_optimizer_args(p):
                         "AdamW for the rest (see class Muon)")
     p.add_argument("--warmup", type=float, default=0.1, metavar="FRACTION",
                    help="fraction of the run's steps spent warming the learning rate up, "
-                        "then it decays along a cosine to a tenth")
+                        "then it decays along a cosine to --lr_floor")
+    p.add_argument("--lr_floor", type=float, default=0.1, metavar="FRACTION",
+                   help="where the cosine ends, as a fraction of --lr: nanoGPT's lr / 10 by default; 0 ends the "
+                        "run at a rate of zero (the cpu10 recipe, docs/ten_minutes.md)")
     p.add_argument("--lr_decay_steps", type=int, default=None, metavar="N",
                    help="length of that schedule in optimizer steps (as nanoGPT's lr_decay_iters; default: "
                         "the run's length): a run stopped early follows the schedule of the longer one")
@@ -263,9 +266,10 @@ def check_args(args):
     if args.d_model % args.num_heads:
         fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
              "pass e.g. --d_model 128 --num_heads 4")
-    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0:
-        fail("--warmup and --dropout must be in [0, 1), --clip and --weight_decay 0 or more",
-             "e.g. --warmup 0.1 --dropout 0.1 --clip 1 --weight_decay 0.1")
+    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0 \
+            or not 0 <= args.lr_floor <= 1:
+        fail("--warmup and --dropout must be in [0, 1), --lr_floor in [0, 1], --clip and --weight_decay 0 or more",
+             "e.g. --warmup 0.1 --dropout 0.1 --lr_floor 0.1 --clip 1 --weight_decay 0.1")
     check_folders(args.checkpoint, args.metrics)
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
@@ -695,7 +699,7 @@ def orthogonalize(g, steps=5):
 
 
 def lr_at(step, total, args):
-    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
+    """Linear warmup over the first `warmup` of the run, then a cosine down to lr x --lr_floor.
 
     A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
     they are built and keep a step count of their own in the checkpoint, while a run resumed
@@ -704,8 +708,12 @@ def lr_at(step, total, args):
     warm = int(args.warmup * total)
     if step < warm:
         return args.lr * (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_decay(min(1.0, (step - warm) / max(1, total - warm)), args)
+
+
+def cosine_decay(progress, args):
+    """The rate at `progress` (0 to 1) of the decay: from --lr down to lr x --lr_floor along a cosine."""
+    return args.lr * (args.lr_floor + (1 - args.lr_floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def note_schedule(saved, schedule, step, args):
@@ -722,8 +730,7 @@ def lr_at_share(share, args):
     """--time_budget's schedule: lr_at's warmup and cosine, along the share of the budget spent."""
     if share < args.warmup:
         return args.lr * max(share, 1e-4) / args.warmup
-    progress = min(1.0, (share - args.warmup) / (1 - args.warmup))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return cosine_decay(min(1.0, (share - args.warmup) / (1 - args.warmup)), args)
 
 
 def autocast(device, amp):

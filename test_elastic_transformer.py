@@ -198,7 +198,8 @@ def test_shifted_windows_are_the_same_batches_at_any_world_size_and_after_a_resu
 
 def test_preset_cpu10_is_the_documented_recipe():
     """--preset cpu10 fills the settings it lists (a time budget, no step count) and a flag passed beside it
-    wins; the README gives the one command; the budget's schedule climbs to --lr and ends at a tenth."""
+    wins; the README gives the one command; the budget's schedule climbs to --lr and ends at lr x --lr_floor
+    (0 in the recipe: at a rate of zero), the default's at a tenth of it."""
     recipe = ddp_transformer.PRESETS["cpu10"]
     args = ddp_transformer.fill_defaults(ddp_transformer.parse_args(["--preset", "cpu10", "--data", "x.txt"]))
     assert {k: getattr(args, k) for k in recipe} == recipe
@@ -213,13 +214,19 @@ def test_preset_cpu10_is_the_documented_recipe():
     readme = (ROOT / "README.md").read_text()
     assert "CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_transformer.py --device cpu " \
            "--data input.txt --preset cpu10\n" in readme
-    # the warmup and cosine along the budget: up to lr, then down to a tenth of it at the end
+    # the warmup and cosine along the budget: up to lr, then down to lr x --lr_floor at the end
     share = [i / 100 for i in range(101)]
-    lr = [ddp_transformer.lr_at_share(x, args) for x in share]
-    peak = lr.index(max(lr))
-    assert share[peak] == args.warmup and lr[peak] == pytest.approx(args.lr)
-    assert lr[:peak] == sorted(lr[:peak]) and lr[peak:] == sorted(lr[peak:], reverse=True)
-    assert lr[-1] == pytest.approx(args.lr / 10) and 0 < lr[0] < args.lr / 10
+    for floor, end in ((None, 0.0), ("0.1", 0.1), ("0.5", 0.5)):  # the recipe's 0, the default's 0.1
+        run = args if floor is None else ddp_transformer.fill_defaults(ddp_transformer.parse_args(
+            ["--preset", "cpu10", "--lr_floor", floor]))
+        lr = [ddp_transformer.lr_at_share(x, run) for x in share]
+        peak = lr.index(max(lr))
+        assert share[peak] == run.warmup and lr[peak] == pytest.approx(run.lr)
+        assert lr[:peak] == sorted(lr[:peak]) and lr[peak:] == sorted(lr[peak:], reverse=True)
+        assert lr[-1] == pytest.approx(run.lr * end, abs=1e-12) and 0 < lr[0] < run.lr / 10
+        assert lr[95] > lr[-1] + run.lr * (1 - end) / 200  # still coming down near the end
+    assert plain.lr_floor == 0.1 and ddp_transformer.lr_at(59, 60, plain) == pytest.approx(
+        plain.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 53 / 54))))  # the default: as before
 
 
 @pytest.mark.parametrize("name", ["ddp_transformer", "fsdp_transformer"])
@@ -237,11 +244,14 @@ def test_weight_decay_reaches_the_matrices_only_and_a_bad_one_is_one_line(name, 
         decayed = {names[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
         assert all(g["weight_decay"] in (0.0, 0.3) for g in groups), groups
         assert decayed == {n for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n}, decayed
-    for bad in ("-0.1", "nan"):
+    bad_ones = [("--weight_decay", "-0.1"), ("--weight_decay", "nan")]
+    if name == "ddp_transformer":  # --lr_floor (the cpu10 recipe's 0) is the budgeted script's
+        bad_ones += [("--lr_floor", "-0.1"), ("--lr_floor", "1.5"), ("--lr_floor", "nan")]
+    for flag, bad in bad_ones:
         with pytest.raises(SystemExit) as exited:
-            module.check_args(module.parse_args(["--device", "cpu", "--weight_decay", bad]))
+            module.check_args(module.parse_args(["--device", "cpu", flag, bad]))
         lines = capsys.readouterr().err.strip().splitlines()
-        assert exited.value.code == 2 and len(lines) == 1 and "--weight_decay" in lines[0], lines
+        assert exited.value.code == 2 and len(lines) == 1 and flag in lines[0], lines
 
 
 def test_peak_table_by_device_name_and_precision():
