@@ -229,7 +229,7 @@ def check_args(args):
     if args.device not in ("cuda", "cpu"):
         fail(f"bench.py runs on cuda or cpu, not {args.device}: it gives each worker its own GPU through "
              "CUDA_VISIBLE_DEVICES, which only CUDA reads", "pass --device cpu, or run the scripts themselves there")
-    gpus = torch.accelerator.device_count() if found is not None and found.type == "cuda" else 0
+    args.gpus = gpus = torch.accelerator.device_count() if found is not None and found.type == "cuda" else 0
     if args.device == "cuda" and gpus == 0:
         fail("--device cuda but no GPU is visible", "use --device cpu, or check CUDA_VISIBLE_DEVICES")
     limit = gpus if args.device == "cuda" else cores()  # one GPU, or one core, per worker
@@ -997,25 +997,35 @@ def memory_run(name, script, flags, n, args, folder, repeat=0):
         return json.load(f)
 
 
+def memory_plan(args):
+    """MEMORY_RUNS as (name, script, flags, formulas, N), each N that fits: on GPUs one GPU a process (a
+    torchrun of more processes than GPUs fails its LOCAL_RANK check); one line for each N left out."""
+    fits = [(*run[:4], n) for run in MEMORY_RUNS for n in run[4]]
+    kept = [run for run in fits if args.device != "cuda" or run[4] <= args.gpus]
+    for name, *_, n in (run for run in fits if run not in kept):
+        print(f"[memory] {name} N={n}: skipped: {args.gpus} GPU(s) here, and each process needs its own", flush=True)
+    return kept
+
+
 def memory_section(args):
-    """Bytes per rank of DDP / ZeRO / FSDP2 at N = 1, 2, 4, measured beside the formula; 1 if a run failed."""
+    """Bytes per rank of DDP / ZeRO / FSDP2 at N = 1, 2, 4 (those that fit), measured beside the formula;
+    1 if a run failed."""
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as folder:
-        for name, script, flags, formulas, ns in MEMORY_RUNS:
-            for n in ns:
-                runs = [memory_run(name, script, flags, n, args, folder, i) for i in range(args.repeats)]
-                if None in runs:
-                    failed = True
-                    continue
-                m, peaks = runs[0], sorted(r["peak_memory_bytes"] for r in runs)
-                params = m.get("params") or m["param_bytes"] // 4  # the MLP's metrics hold its bytes only
-                rows.append({"run": name, "world_size": n, "params": params,
-                             "peak_memory_bytes": peaks[len(peaks) // 2], "peak_memory_runs": peaks,
-                             "grad_bytes_measured": script == "fsdp_transformer.py",
-                             **{k: m[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
-                             **{f"{k}_formula": memory_formula(f, params, n) for k, f in
-                                zip(("param_bytes", "grad_bytes", "optimizer_bytes"), formulas)},
-                             "formulas": formulas, "device": m["device"], "torch": m["torch"]})
+        for name, script, flags, formulas, n in memory_plan(args):
+            runs = [memory_run(name, script, flags, n, args, folder, i) for i in range(args.repeats)]
+            if None in runs:
+                failed = True
+                continue
+            m, peaks = runs[0], sorted(r["peak_memory_bytes"] for r in runs)
+            params = m.get("params") or m["param_bytes"] // 4  # the MLP's metrics hold its bytes only
+            rows.append({"run": name, "world_size": n, "params": params,
+                         "peak_memory_bytes": peaks[len(peaks) // 2], "peak_memory_runs": peaks,
+                         "grad_bytes_measured": script == "fsdp_transformer.py",
+                         **{k: m[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")},
+                         **{f"{k}_formula": memory_formula(f, params, n) for k, f in
+                            zip(("param_bytes", "grad_bytes", "optimizer_bytes"), formulas)},
+                         "formulas": formulas, "device": m["device"], "torch": m["torch"]})
     print_memory_table(rows)
     write_json(args.memory_out, rows)
     print(f"wrote {len(rows)} rows to {os.path.abspath(args.memory_out)}", flush=True)

@@ -586,21 +586,27 @@ def flops_per_token(model, block):
 # figure: torch multiplies fp32 matrices without TF32 unless set_float32_matmul_precision is changed.
 # Matched against the device's name in this order (torch.cuda.get_device_name, also on ROCm).
 PEAK_TFLOPS = (
-    (r"H100.*(PCIe|HBM2e)", {"fp32": 51, "bf16": 756, "fp16": 756}),  # NVIDIA H100 datasheet, PCIe (1,513 sparse)
-    (r"H100.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H100 datasheet, H100 NVL (1,671 sparse)
-    (r"H100.*(HBM3|SXM)", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H100 datasheet, SXM (1,979 sparse)
+    (r"\bH100\b.*(PCIe|HBM2e)", {"fp32": 51, "bf16": 756, "fp16": 756}),  # NVIDIA H100 datasheet, PCIe (1,513 sparse)
+    (r"\bH100\b.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H100 datasheet, H100 NVL (1,671 sparse)
+    (r"\bH100\b.*(HBM3|SXM)", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H100 datasheet, SXM (1,979 sparse)
     (r"\bH200\b.*NVL", {"fp32": 60, "bf16": 835, "fp16": 835}),  # NVIDIA H200 datasheet, H200 NVL (1,671 sparse)
     (r"\bH200\b", {"fp32": 67, "bf16": 989, "fp16": 989}),  # NVIDIA H200 datasheet, H200 SXM (1,979 sparse)
-    (r"A100", {"fp32": 19.5, "bf16": 312, "fp16": 312}),  # NVIDIA A100 datasheet, SXM and PCIe alike (624 sparse)
-    (r"L40S", {"fp32": 91.6, "bf16": 362, "fp16": 362}),  # NVIDIA L40S datasheet (733 sparse)
+    (r"\bA100\b", {"fp32": 19.5, "bf16": 312, "fp16": 312}),  # NVIDIA A100 datasheet, SXM and PCIe alike (624 sparse)
+    (r"\bL40S\b", {"fp32": 91.6, "bf16": 362, "fp16": 362}),  # NVIDIA L40S datasheet (733 sparse)
     (r"\bL4\b", {"fp32": 30.3, "bf16": 121, "fp16": 121}),  # NVIDIA L4 datasheet (242 sparse)
-    # the A10G (AWS G5) has no NVIDIA datasheet: the A10's (the same GA102 chip; 250 sparse), which
-    # comparisons of the two find the A10G's tensor cores below, so its MFU may read low
-    (r"A10G", {"fp32": 31.2, "bf16": 125, "fp16": 125}),
-    (r"V100S", {"fp32": 16.4, "fp16": 130}),  # NVIDIA V100 datasheet, V100S PCIe (Volta: no bf16, no sparsity)
-    (r"V100.*SXM", {"fp32": 15.7, "fp16": 125}),  # NVIDIA V100 datasheet, SXM2
-    (r"V100.*PCIE", {"fp32": 14, "fp16": 112}),  # NVIDIA V100 datasheet, PCIe
-    (r"MI300X", {"fp32": 163.4, "bf16": 1307.4, "fp16": 1307.4}),  # AMD's MI300X peak table (2,614.9 sparse)
+    (r"\bA10\b", {"fp32": 31.2, "bf16": 125, "fp16": 125}),  # NVIDIA A10 datasheet (250 sparse)
+    # the A10G (AWS G5) has no NVIDIA datasheet: the A10's (the same GA102 chip), which comparisons of
+    # the two find the A10G's tensor cores below, so its MFU may read low
+    (r"\bA10G\b", {"fp32": 31.2, "bf16": 125, "fp16": 125}),
+    (r"\bT4\b", {"fp32": 8.1, "fp16": 65}),  # NVIDIA T4 datasheet, FP16/FP32 mixed (Turing: no bf16, no sparsity)
+    # GeForce: the whitepapers' tensor figures with FP32 accumulate (torch's; FP16 accumulate doubles
+    # them), not the 4090 D, the laptop parts or the 3090 Ti, whose figures differ
+    (r"\bRTX 4090\b(?! D\b| Laptop)", {"fp32": 82.6, "bf16": 165.2, "fp16": 165.2}),  # NVIDIA Ada whitepaper (330 sparse)
+    (r"\bRTX 3090\b(?! Ti| Laptop)", {"fp32": 35.6, "bf16": 71, "fp16": 71}),  # NVIDIA GA102 whitepaper (142 sparse)
+    (r"\bV100S\b", {"fp32": 16.4, "fp16": 130}),  # NVIDIA V100 datasheet, V100S PCIe (Volta: no bf16, no sparsity)
+    (r"\bV100\b.*SXM", {"fp32": 15.7, "fp16": 125}),  # NVIDIA V100 datasheet, SXM2
+    (r"\bV100\b.*PCIE", {"fp32": 14, "fp16": 112}),  # NVIDIA V100 datasheet, PCIe
+    (r"\bMI300X\b", {"fp32": 163.4, "bf16": 1307.4, "fp16": 1307.4}),  # AMD's MI300X peak table (2,614.9 sparse)
 )
 
 
@@ -1174,7 +1180,7 @@ class Memory:
     def __init__(self, device):
         self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
         if device.type != "cpu":
-            torch.accelerator.reset_peak_memory_stats(device)
+            torch.get_device_module(device).reset_peak_memory_stats(device)  # torch.accelerator.*: from 2.9
         else:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -1221,7 +1227,7 @@ class Memory:
     def peak(self):
         """Bytes at the peak since construction, as the class says."""
         if self.device.type != "cpu":
-            return torch.accelerator.max_memory_allocated(self.device)
+            return torch.get_device_module(self.device).max_memory_allocated(self.device)
         self.stop()
         return self.cpu_peak
 

@@ -386,7 +386,7 @@ class Memory:
     def __init__(self, device):
         self.device, self.profiler, self.cpu_peak = device, None, None
         if device.type != "cpu":
-            torch.accelerator.reset_peak_memory_stats(device)
+            torch.get_device_module(device).reset_peak_memory_stats(device)  # torch.accelerator.*: from 2.9
         else:
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
@@ -417,7 +417,7 @@ class Memory:
     def peak(self):
         """Bytes at the peak since construction, as the class says."""
         if self.device.type != "cpu":
-            return torch.accelerator.max_memory_allocated(self.device)
+            return torch.get_device_module(self.device).max_memory_allocated(self.device)
         self.stop()
         return self.cpu_peak
 

@@ -9,6 +9,8 @@ TIME_WAIT against one that something listens on, the replica check on a one-proc
 the signal a spawned process died of, and the checkpoint described with mmap.
 """
 import argparse
+import ast
+import importlib
 import json
 import os
 import socket
@@ -380,3 +382,49 @@ def test_checkpoint_is_described_through_mmap(tmp_path):
     path.write_bytes(path.read_bytes()[:100])  # cut short by the interrupt
     assert ddp_gpus.describe_checkpoint(str(path)) == "no checkpoint kept"
     assert ddp_gpus.describe_checkpoint(None) == "no checkpoint kept"
+
+
+# ---------------------------------------------------------------- torch's API, as far back as requirements.txt claims
+def torch_names(source):
+    """(module, attribute path) for every attribute a script reads from torch (`torch.a.b`, `dist.x` through its
+    import alias), and ("torch.cuda", (name,)) for every call made on `torch.get_device_module(...)`, which is
+    torch.cuda on CUDA. Names the file guards with hasattr or getattr (a newer torch's only) are left out."""
+    tree = ast.parse(source)
+    guarded = {n.args[1].value for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+               and n.func.id in ("hasattr", "getattr") and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)}
+    aliases = {a.asname or "torch": a.name if a.asname else "torch" for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names if a.name.split(".")[0] == "torch"}
+    found = set()
+    for node in ast.walk(tree):
+        path, at = [], node
+        while isinstance(at, ast.Attribute):
+            path.insert(0, at.attr)
+            at = at.value
+        if isinstance(at, ast.Name) and at.id in aliases and path:
+            found.add((aliases[at.id], tuple(path)))
+        if isinstance(at, ast.Call) and ast.unparse(at.func) == "torch.get_device_module" and path:
+            found.add(("torch.cuda", tuple(path[:1])))
+    return {(module, tuple(path[:next((i for i, p in enumerate(path) if p in guarded), len(path))]))
+            for module, path in found}
+
+
+def test_every_torch_name_the_scripts_use_exists_in_this_torch():
+    """The version tier runs this on the floor (requirements.txt's torch>=): on a GPU the Transformers'
+    and ddp_uneven's memory accounting once called torch.accelerator.max_memory_allocated, which torch
+    has only from 2.9, and stopped every GPU run on 2.7 and 2.8 before training. The CPU tier never
+    reached that line; this reads every name, reached or not."""
+    missing = []
+    for script in sorted(p for p in ROOT.glob("*.py") if not p.name.startswith(("test_", "conftest"))):
+        for module, path in sorted(torch_names(script.read_text())):
+            obj = importlib.import_module(module)
+            for i, name in enumerate(path):
+                try:
+                    obj = getattr(obj, name) if hasattr(obj, name) else importlib.import_module(f"{obj.__name__}.{name}")
+                except (ImportError, AttributeError):
+                    missing.append(f"{script.name}: {module}.{'.'.join(path[:i + 1])}")
+                    break
+    assert not missing, f"torch {torch.__version__} lacks: {missing}"
+    old = torch_names("import torch\ntorch.accelerator.max_memory_allocated(d)\ntorch.get_device_module(d).x(d)\n"
+                      "if hasattr(torch.cpu, 'get_capabilities'):\n    torch.cpu.get_capabilities()\n")
+    assert {("torch", ("accelerator", "max_memory_allocated")), ("torch.cuda", ("x",))} <= old
+    assert ("torch", ("cpu", "get_capabilities")) not in old and ("torch", ("cpu",)) in old

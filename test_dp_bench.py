@@ -4,6 +4,7 @@ Everything runs on CPU (the `launch` fixture hides the GPUs) in a temporary dire
 bounded by a timeout. No test asserts a speed: only that the figures exist and are positive
 (and that two jobs of one launch start together).
 """
+import argparse
 import datetime
 import json
 import math
@@ -111,6 +112,22 @@ def test_dp_baseline_bad_input_is_one_line_and_exit_2(argv, says, capsys, monkey
 def test_bench_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     bench = import_bench()
     assert says in one_error_line(lambda: bench.check_args(bench.parse_args(argv)), capsys)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+def test_bench_memory_runs_only_the_process_counts_it_has_gpus_for(gpus, capsys):
+    """A torchrun of more processes than GPUs fails its LOCAL_RANK check: on 2 or 3 GPUs the N=4 runs
+    went missing and bench exited 1. Told how many GPUs there are, it plans the Ns that fit, one line
+    for each left out; on the CPU every N runs (the memory counts need no core of their own)."""
+    bench = import_bench()
+    every = [(name, n) for name, *_, ns in bench.MEMORY_RUNS for n in ns]
+    plan = bench.memory_plan(argparse.Namespace(device="cuda", gpus=gpus))
+    assert [(name, n) for name, *_, n in plan] == [(name, n) for name, n in every if n <= gpus]
+    assert all(len(run) == 5 and run[1].endswith(".py") for run in plan)
+    skipped = capsys.readouterr().out.splitlines()
+    assert skipped == [f"[memory] {name} N={n}: skipped: {gpus} GPU(s) here, and each process needs its own"
+                       for name, n in every if n > gpus]
+    assert len(bench.memory_plan(argparse.Namespace(device="cpu", gpus=0))) == len(every)
 
 
 def bench_command():

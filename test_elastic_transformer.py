@@ -263,10 +263,16 @@ def test_peak_table_by_device_name_and_precision():
                                     ("NVIDIA A100 80GB PCIe", "bf16", 312), ("NVIDIA L40S", "bf16", 362),
                                     ("NVIDIA L4", "fp16", 121), ("NVIDIA A10G", "bf16", 125),
                                     ("Tesla V100-SXM2-16GB", "fp16", 125), ("Tesla V100-PCIE-32GB", "fp32", 14),
-                                    ("AMD Instinct MI300X", "bf16", 1307.4)):
+                                    ("AMD Instinct MI300X", "bf16", 1307.4), ("Tesla T4", "fp16", 65),
+                                    ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("NVIDIA GeForce RTX 3090", "fp16", 71),
+                                    ("NVIDIA A10", "bf16", 125), ("NVIDIA A10-24Q", "fp32", 31.2)):
         assert peak(name, precision)[0] == pytest.approx(tflops * 1e12), name
-    for name, precision in (("NVIDIA GH200 480GB", "bf16"), ("NVIDIA L40", "bf16"),
-                            ("NVIDIA GeForce RTX 4090", "bf16"), ("Tesla V100-SXM2-16GB", "bf16")):
+    # a name that holds a listed one is another device: the RTX A1000 read the A100's 312 (an MFU 20x too low)
+    for name, precision in (("NVIDIA GH200 480GB", "bf16"), ("NVIDIA L40", "bf16"), ("NVIDIA RTX A1000", "bf16"),
+                            ("NVIDIA RTX A1000 6GB Laptop GPU", "fp32"), ("NVIDIA A100X", "bf16"),
+                            ("NVIDIA GeForce RTX 4090 D", "bf16"), ("NVIDIA GeForce RTX 4090 Laptop GPU", "fp16"),
+                            ("NVIDIA GeForce RTX 3090 Ti", "bf16"), ("NVIDIA RTX A4000", "fp16"), ("Tesla T40", "fp16"),
+                            ("NVIDIA H1000", "bf16"), ("Tesla V100-SXM2-16GB", "bf16"), ("Tesla T4", "bf16")):
         assert peak(name, precision)[0] is None, name
     args = types.SimpleNamespace(peak_tflops=None, amp="off")
     assert ddp_transformer.device_peak(args, torch.device("cpu")) == (None, "no peak is known for the CPU")

@@ -400,6 +400,37 @@ def test_sbatch_warns_when_a_node_has_fewer_cpus_than_processes(tmp_path):
     env.update(SLURM_CPUS_ON_NODE="32")
     assert sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path).stderr == ""
 
+@pytest.mark.parametrize("job", [
+    {"SLURM_GPUS_PER_NODE": "8"},  # --gpus-per-node=8
+    {"SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"},  # --gres=gpu:8
+    {"SLURM_NTASKS_PER_NODE": "8", "SLURM_GPUS_PER_TASK": "1", "SLURM_TRES_PER_TASK": "cpu=4,gres/gpu=1",
+     "SLURM_CPUS_PER_TASK": "4"},  # --ntasks-per-node=8 --gpus-per-task=1 --cpus-per-task=4
+    {"SLURM_GPUS": "8"},  # --nodes=1 --gpus=8
+    {"SLURM_GPUS_PER_NODE": "8", "SLURM_CPUS_PER_GPU": "4"},  # --gpus-per-node=8 --cpus-per-gpu=4
+])
+def test_sbatch_step_asks_for_every_gpu_of_its_node(tmp_path, job):
+    """srun reads the job's requests from the environment: a job of --gpus-per-task=1 gave the step's one
+    task one GPU while torchrun started 8 processes (local ranks 1-7 failed), and --cpus-per-gpu refuses
+    the step's --cpus-per-task. Whichever way the job asked, the step asks for the node's 8 GPUs and all
+    its CPUs itself, and srun inherits none of the job's per-task or per-GPU requests. `srun` is a stand-in
+    that prints what it was given (the cluster of these tests has no GPUs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "srun $*"\nenv | grep -E "^SLURM_(GPUS|CPUS_PER|TRES)" | '
+                                  'grep -v ^SLURM_GPUS_ON_NODE= | sed "s/^/inherited: /"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = cpu_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=7, SLURM_JOB_NODELIST="node1",
+                  SLURM_JOB_NUM_NODES=1, SLURM_GPUS_ON_NODE=8, SLURM_CPUS_ON_NODE=32, TORCHRUN="torchrun", **job)
+    step = sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path).stdout
+    assert " --gpus-per-node=8 " in step and " --cpus-per-task=32 " in step and "--nproc-per-node=8 " in step, step
+    assert "--gpus-per-task" not in step and "--cpus-per-gpu" not in step and "inherited: " not in step, step
+    del env["SLURM_GPUS_ON_NODE"]  # a job without GPUs: none asked for
+    step = sh(["bash", ROOT / "slurm" / "train.sbatch", "ddp_gpus_torchrun.py"], env=env, cwd=tmp_path).stdout
+    assert "--gpus-per-node" not in step, step
+
+
 def test_sbatch_passes_max_restarts_and_a_node_says_how_it_ended(tmp_path):
     """MAX_RESTARTS (default 3) reaches torchrun as --max-restarts, a bad value is one error line, and a
     node other than the first prints one line at the end: which node, how its torchrun exited, where the
