@@ -43,8 +43,8 @@ Launch:
 
 Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file adds a loop
 with a rank-local decision, the three diagnoses, and the agreed decision that fixes it. On
-NCCL the watchdog aborts a timed-out collective and dumps the flight recorder by itself
-(see prepare_rendezvous in the harness); gloo records but dumps only when asked, as here.
+NCCL the watchdog aborts a timed-out collective and first dumps the flight recorder by itself,
+into --trace_dir (prepare_diagnosis); gloo records but dumps only when asked, as here.
 torch 2.7 (the floor) runs all of it except --diagnose flight on gloo: its gloo keeps no record.
 """
 
@@ -125,6 +125,10 @@ def prepare_diagnosis(args):
         dist.set_debug_level_from_env()  # torch.distributed read the variable when it was imported
     if args.diagnose == "flight":
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # entries kept per rank; 0 (default): off
+        # on NCCL the watchdog writes each rank's record itself (then aborts: dump_trace never runs), to
+        # this prefix + the rank: --trace_dir, not the harness's /tmp (torch 2.7's name, and today's)
+        prefix = os.path.join(os.path.abspath(args.trace_dir), "rank_")
+        os.environ.update(TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix, TORCH_FR_DUMP_TEMP_FILE=prefix)
         os.makedirs(args.trace_dir, exist_ok=True)
 
 

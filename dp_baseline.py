@@ -6,8 +6,9 @@ cross-entropy and Adam, a 10-class data set whose labels come from a fixed rando
 By default one process trains it with `nn.DataParallel` over every visible GPU (with
 one GPU or none it trains the plain module: DataParallel needs two or more GPUs).
 `--compare` trains the same model on the same data with the same global batch twice,
-first in one process (DataParallel, or plain), then with DDP (one process per GPU, or
-2 gloo processes on CPU, each taking global batch / processes), and prints the two side
+first in one process (DataParallel, or plain; started apart, so that it has handed every
+GPU back when the DDP run starts), then with DDP (one process per GPU, or 2 gloo processes
+on CPU, each taking global batch / processes), and prints the two side
 by side: samples/s, final loss, accuracy, peak memory per process. Both runs see the
 same global batches in the same order (the single process uses the DistributedSampler
 shuffle of a one-process world), so their losses agree up to float rounding: the
@@ -32,7 +33,6 @@ file, the same in every script.
 
 # ---------------------------------------------------------------- imports
 import argparse
-import gc
 import json
 import os
 import resource
@@ -280,6 +280,7 @@ def summarize(run, mode, dp_devices, device, threads, memory, in_sync, args):
         "script": os.path.basename(__file__), "mode": mode, "dp_devices": dp_devices,
         "world_size": world, "backend": dist.get_backend() if dist.is_initialized() else None,
         "device": device.type, "torch": torch.__version__, "threads_per_process": threads,
+        "pid": os.getpid(), "parent_pid": os.getppid(),
         "epochs": args.epochs, "steps": run["steps"], "steps_per_epoch": run["steps_per_epoch"],
         "batch_size": args.batch_size, "batch_size_per_process": args.batch_size // world,
         "elapsed_s": elapsed, "samples_per_s": sum(h["samples"] for h in history) / elapsed,
@@ -322,21 +323,12 @@ def run_single(args):
                      peak_memory_mb(devices), True, args)
 
 
-def free_gpu_memory(args):
-    """Hand the single run's GPU memory back before the DDP processes start (--compare).
-
-    The model, optimizer, data and DataParallel's per-step replicas were locals of
-    run_single and fit, gone with their frames (gc.collect() also frees anything a
-    reference cycle still held). But PyTorch's caching allocator keeps freed blocks
-    reserved for this process on every GPU DataParallel used, and this process lives on
-    while the DDP ranks train: they would have that much less memory (an OOM at a size
-    that fits alone). empty_cache() returns the blocks to the driver, on every GPU. What
-    stays is this process's CUDA context, a few hundred MB per GPU it touched, which
-    only ends with the process.
-    """
-    gc.collect()
-    if args.device != "cpu":
-        torch.get_device_module(args.device).empty_cache()  # torch.cuda's, or another accelerator's
+def single_process(index, args):
+    """--compare's first run, in a process of its own (mp.spawn passes the index first). DataParallel
+    makes a CUDA context on every GPU it uses, a few hundred MB each that only the process's end gives
+    back (empty_cache() does not): held by the parent, it would crowd the DDP ranks, and on GPUs in
+    EXCLUSIVE_PROCESS mode, as clusters often run them, keep them from making theirs at all."""
+    write_json(args.record, run_single(args))
 
 
 # ---------------------------------------------------------------- the DDP run
@@ -366,19 +358,19 @@ def main(rank, args):
         with explained_failures(args.timeout):
             record = train_ddp(device, args)
         if rank == 0:
-            write_json(args.ddp_record, record)
+            write_json(args.record, record)
     finally:
         cleanup()
     if not record["replicas_in_sync"]:
         sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
-def run_ddp(args):
-    """Start args.nprocs DDP processes and wait for them; returns rank 0's record."""
+def run_processes(fn, args, nprocs):
+    """Start `fn` in nprocs processes (mp.spawn) and wait for them; returns the record the first one wrote."""
     with tempfile.TemporaryDirectory() as tmp:
-        args.ddp_record = os.path.join(tmp, "ddp.json")
-        spawn_processes(main, args, args.nprocs)
-        with open(args.ddp_record) as f:
+        args.record = os.path.join(tmp, "record.json")
+        spawn_processes(fn, args, nprocs)
+        with open(args.record) as f:
             return json.load(f)
 
 
@@ -429,11 +421,12 @@ def run(args):
     if args.ddp or args.compare:
         prepare_rendezvous(args, spawning=True)  # a busy MASTER_PORT fails now, not after the first run
     records = []
-    if not args.ddp:
+    if args.compare:  # the parent holds no device memory, nor a CUDA context, when the DDP ranks start
+        records.append(run_processes(single_process, args, 1))
+    elif not args.ddp:
         records.append(run_single(args))
-        free_gpu_memory(args)
     if args.ddp or args.compare:
-        records.append(run_ddp(args))
+        records.append(run_processes(main, args, args.nprocs))
     if args.compare:
         print_comparison(*records)
     report(records, args)
@@ -446,6 +439,7 @@ def run(args):
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import contextlib
+import gc
 import logging
 import multiprocessing
 import re

@@ -208,6 +208,23 @@ def test_every_bug_is_fixed_by_deciding_together(bug, tmp_path, metrics):
     assert m["bad_batches"] == 1 and m["replicas_in_sync"], m
 
 
+def test_nccls_own_flight_record_goes_to_the_trace_folder(tmp_path, monkeypatch):
+    """On NCCL the watchdog aborts the process, so dump_trace never runs there: NCCL writes the record itself,
+    to the prefix these variables name plus the rank. The harness names /tmp for every script (torchfrtrace /tmp
+    -p nccl_trace_rank_); --diagnose flight points it at --trace_dir, where the help and docstring say."""
+    sys.path.insert(0, str(ROOT))
+    import argparse
+    import ddp_desync
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    for name in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.setenv(name, "/tmp/nccl_trace_rank_")  # as prepare_rendezvous leaves it on NCCL, before this
+    ddp_desync.prepare_diagnosis(argparse.Namespace(diagnose="flight", trace_dir="traces"))
+    for name in ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE"):  # torch 2.7's name, and today's
+        assert os.environ[name] == f"{tmp_path}/traces/rank_", name
+    assert (tmp_path / "traces").is_dir()
+
+
 @pytest.mark.slow
 def test_collective_checking_cost_per_step(tmp_path, metrics):
     """The figure for the notes: DETAIL's checks on a healthy run, against none (best of 2 each)."""

@@ -61,6 +61,8 @@ def test_compare_trains_both_modes_to_the_same_model(launch, script, metrics, tm
     assert (single["mode"], ddp["mode"], m["mode"]) == ("plain", "ddp", "ddp")
     assert (single["world_size"], ddp["world_size"], ddp["backend"]) == (1, 2, "gloo")
     assert (single["batch_size_per_process"], ddp["batch_size_per_process"]) == (256, 128)
+    # the single run in a process of its own, as the DDP ranks are: the parent never held a device
+    assert single["parent_pid"] == ddp["parent_pid"] and single["pid"] != ddp["pid"], (single, ddp)
     for record in (single, ddp):
         assert_learned(record, epochs=5)
     # the same global batches in the same order: the same optimizer steps, the same losses
