@@ -76,12 +76,13 @@ def check_args(args):
 def setup(rank, args):
     """Join the process group; returns this process's device."""
     world_size, local_rank, local_world_size = args.nprocs, rank, args.nprocs  # all on this machine
+    # the cores split between this machine's processes, on GPUs too (their loaders, their CPU work)
+    use_cpu_threads(local_world_size)
     if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
         device = torch.device(args.device, local_rank)
         torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
-        use_cpu_threads(local_world_size)
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout),

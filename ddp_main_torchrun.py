@@ -209,13 +209,14 @@ def setup(args):
     """Join the process group that the environment describes (env://); returns this process's device."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # a hand-made launch may set only RANK and WORLD_SIZE
+    # the cores split between this machine's processes, on GPUs too (their loaders, their CPU work);
+    # without LOCAL_WORLD_SIZE (a hand-made launch) every rank is taken to be on this machine
+    use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
         device = torch.device(args.device, local_rank)
         torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
-        # without LOCAL_WORLD_SIZE (a hand-made launch) every rank is taken to be on this machine
-        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys

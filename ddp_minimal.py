@@ -29,7 +29,7 @@ def example(rank, world_size, args):
     device = torch.device(args.device, rank) if args.device != "cpu" else torch.device("cpu")
     if device.type != "cpu":  # cuda, xpu, hpu, npu, ...: whichever accelerator torch found
         torch.accelerator.set_device_index(device)  # one GPU per process, before any work on it
-    torch.set_num_threads(max(1, os.cpu_count() // world_size))  # share the cores, don't fight over them
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))  # share the cores we may use (taskset)
     # the device's own backend: nccl on cuda, xccl on xpu, hccl on hpu and npu, gloo on cpu
     dist.init_process_group(dist.get_default_backend_for_device(device), rank=rank, world_size=world_size)
 

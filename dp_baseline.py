@@ -110,12 +110,13 @@ def check_ddp_args(args):
 # ---------------------------------------------------------------- process group
 def setup(rank, args):
     """Join the process group as `rank` of args.nprocs; returns this process's device."""
+    # the cores split between this machine's processes, on GPUs too (their loaders, their CPU work)
+    use_cpu_threads(args.nprocs)
     if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
         device = torch.device(args.device, rank)
         torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
-        use_cpu_threads(args.nprocs)
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=args.nprocs,
                             timeout=timedelta(seconds=args.timeout),

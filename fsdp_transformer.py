@@ -313,12 +313,13 @@ def setup(args):
     """Join the process group that torchrun describes in the environment; returns this process's device."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
+    # the cores split between this machine's processes, on GPUs too (their loaders, their CPU work)
+    use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
         device = torch.device(args.device, local_rank)
         torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
-        use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
