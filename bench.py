@@ -189,8 +189,8 @@ def parse_args(argv=None):
                    help="where to write the results (default: bench_results.json; bench_quick.json with --quick, "
                         "so that a plumbing check never replaces a measurement)")
     p.add_argument("--memory", action="store_true",
-                   help="only the memory section: bytes per rank of DDP, ZeRO and FSDP2 at N = 1, 2, 4 at one model "
-                        "size, beside their formulas, and FSDP2's two ways to accumulate at N = 2; --repeats runs of "
+                   help="only the memory section: bytes per rank of DDP, ZeRO and FSDP2 at N = 1, 2, 4 (on GPUs those "
+                        "there are GPUs for) at one model size, beside their formulas, and FSDP2's two ways to accumulate at N = 2; --repeats runs of "
                         "each, the peak their median; writes --memory_out (about 10 minutes on 2 cores)")
     p.add_argument("--memory_out", default="bench_memory.json", metavar="PATH",
                    help="where the memory section writes its rows (default: %(default)s)")
