@@ -908,14 +908,12 @@ def main(rank, args):
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import contextlib
 import gc
 import json
 import logging
 import multiprocessing
 import pickle
 import signal
-import stat
 import threading
 import traceback
 import zipfile
