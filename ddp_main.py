@@ -67,9 +67,8 @@ DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (
 DEFAULT_DATA = "./data"
 IMAGE_MODES = {"L": 1, "RGB": 3, "RGBA": 4}  # PIL mode -> channels; a palette (P) holds indices, not colours
 DECODED = 20000  # images decoded whole before training (about 1 s of 48 x 48 PNGs); beyond, as training reads them
-# pixels per image, read from its header before decoding: a 45-megapixel camera's photos pass (the ConvNet pools
-# any size), and one decoded is at most 200 MB (RGBA), where a 13,000 x 13,000 PNG of 164 KB is 169 million
-MAX_PIXELS = 50_000_000
+MAX_PIXELS = 50_000_000  # per image, on its header: 45-megapixel photos pass, 200 MB decoded (RGBA) at most
+IMAGE_FORMATS = ("PNG", "JPEG", "PPM", "BMP", "TIFF", "WEBP")  # ImageFolder's suffixes: a .png holding EPS runs gs
 
 
 # ---------------------------------------------------------------- arguments
@@ -323,9 +322,8 @@ def check_image_folder(root, max_pixels):
     bare = [folder for folder in splits[:2] if not any(entry.is_dir() for entry in os.scandir(folder))]
     if bare:  # ImageFolder's own error would be a traceback
         fail(f"{bare[0]} has no class folders", f"put the images of each class in {bare[0]}/<class>/", every_node=True)
-    # ImageFolder's walk (one subfolder per class, searched to any depth), empty class folders kept to be named;
-    # the loader, once the images are checked: a file swapped in since is refused on its header
-    train, test = (ImageFolder(folder, loader=None, allow_empty=True) for folder in splits[:2])
+    # ImageFolder's walk (one subfolder per class, searched to any depth), empty class folders kept to be named
+    train, test = (ImageFolder(folder, loader=None, allow_empty=True) for folder in splits[:2])  # loader: below
     classes, tested = set(train.classes), set(test.classes)
     empty = [os.path.join(folder, c) for folder, split in zip(splits, (train, test))
              for c in sorted(set(split.classes) - {split.classes[t] for t in split.targets})]
@@ -345,6 +343,7 @@ def check_image_folder(root, max_pixels):
     if mode not in IMAGE_MODES or min(width, height) < 4:
         fail(f"the images in {root} are {mode}, {width} x {height}", "convert them to L, RGB or RGBA, "
              "at least 4 x 4 pixels", every_node=True)
+    # training reads each file again: one swapped in since is refused on opening or on its header
     train.loader = test.loader = functools.partial(read_image, expected=(mode, (width, height)), root=inside)
     shape = [IMAGE_MODES[mode], height, width]
     return {"kind": "images", "train": splits[0], "test": splits[1], "classes": train.classes, "shape": shape,
@@ -422,12 +421,13 @@ def image_header(path, root=None):
         with os.fdopen(fd, "rb") as file:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ImageRefused(f"the image {path} is not a regular file (a FIFO, device or socket)")
-            with Image.open(file) as image:
+            with Image.open(file, formats=IMAGE_FORMATS) as image:
                 yield image
     except ImageRefused:
         raise
     except Exception as e:  # OSError (truncated, unreadable), SyntaxError (a broken PNG chunk), zlib.error, ...
-        raise ImageRefused(f"cannot read the image {path} ({type(e).__name__}: {e})") from None
+        reason = f"not {'/'.join(IMAGE_FORMATS)}" if type(e).__name__ == "UnidentifiedImageError" else e  # not the fd
+        raise ImageRefused(f"cannot read the image {path} ({type(e).__name__}: {reason})") from None
 
 
 def read_image(path, expected, root=None):

@@ -380,14 +380,14 @@ def test_evaluate_names_the_epoch_and_each_class_and_old_checkpoints_load(launch
 
 
 # ---------------------------------------------------------------- hostile image folders (issue 42, class 5)
-def pixel_bomb(side=13000):
-    """A 1-bit grey PNG of side x side zeros in a few KB, as an attacker writes it (PIL would decode it into side**2
-    bytes): compressed row by row, never held whole here."""
+def pixel_bomb(side=13000, depth=1):
+    """A grey PNG of side x side zeros, `depth` bits each, in a few KB, as an attacker writes it (PIL would decode
+    it into side**2 bytes): compressed row by row, never held whole here."""
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    deflate, row = zlib.compressobj(9), bytes(1 + (side + 7) // 8)  # each row: filter 0, then the bits
+    deflate, row = zlib.compressobj(9), bytes(1 + (side * depth + 7) // 8)  # each row: filter 0, then the bits
     pixels = b"".join(deflate.compress(row) for _ in range(side)) + deflate.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">2I5B", side, side, 1, 0, 0, 0, 0))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">2I5B", side, side, depth, 0, 0, 0, 0))
             + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
 
 
@@ -400,8 +400,9 @@ def grey_folder(root):
 
 def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch):
     """The attacks of issue 42 (a FIFO hung the run; 13,000 x 13,000 PNGs of a few KB took gigabytes; a link out
-    of --data was read), each planted in a fresh folder: one error line at the folder's check, in well under a
-    second, and no image larger than the folder's 8 x 8 decoded (the bound is read from the header)."""
+    of --data was read), each planted in a fresh folder, and an EPS named .png (PIL would run Ghostscript on it):
+    one error line at the folder's check, in well under a second, and no image larger than the folder's 8 x 8
+    decoded (the bound is read from the header)."""
     from PIL import ImageFile
     decoded, load = [], ImageFile.ImageFile.load
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image.size) or load(image))
@@ -410,6 +411,8 @@ def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_p
         "fifo": (lambda path: os.mkfifo(path), "is not a regular file (a FIFO"),
         "bomb": (lambda path: path.write_bytes(pixel_bomb()), "is 13000 x 13000, more than --max_pixels 50000000 "
                  "pixels (shrink it, or pass a larger --max_pixels)"),
+        "eps": (lambda path: path.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n"),  # Ghostscript's
+                "(UnidentifiedImageError: not PNG/JPEG/PPM/BMP/TIFF/WEBP)"),
         "link out": (lambda path: path.symlink_to(tmp_path / "outside.png"), "is a symbolic link out of --data"),
         "link in": (lambda path: path.symlink_to(path.parent / "1.png"), "is a symbolic link (put the file"),
         "folder link": (lambda path: (path.parent / "loop").symlink_to(".."), "red/loop is a symbolic link to a folder"),
@@ -467,3 +470,46 @@ def test_an_image_swapped_after_the_check_is_refused_as_training_reads_it(tmp_pa
         next(iter(torch.utils.data.DataLoader(train, batch_size=len(train), num_workers=1)))
     assert refused.value.args == (f"the image {forged} is not a regular file (a FIFO, device or socket)",
                                   "remove or replace it"), refused.value.args
+
+
+@pytest.mark.slow
+def test_the_attackers_pixel_bombs_end_a_real_launch_at_the_check(launch, script, tmp_path):
+    """Three 13,000 x 13,000 PNGs among the images (8-bit grey, 164 KB each, as in the report of issue 42): a
+    run took 6 GB in 37 s, still growing, past PIL's warning; now the check refuses the first one by its
+    header, before any process starts: one line, exit 2, the memory of a start-up."""
+    folder = grey_folder(tmp_path / "f")
+    bomb = pixel_bomb(depth=8)  # as the attacker's: 169 MB decoded
+    for path in ("train/red/0.png", "train/blue/0.png", "test/red/0.png"):
+        (folder / path).write_bytes(bomb)
+    peak = "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); " \
+           "print('peak', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)"
+    r = launch([sys.executable, "-c", peak, sys.executable, script("ddp_main.py"), "--device", "cpu", "--data", "f"],
+               timeout=60, env=cpu_env(), check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and errors == ["error: the image f/train/blue/0.png is 13000 x 13000, more than "
+                                            "--max_pixels 50000000 pixels (shrink it, or pass a larger --max_pixels)"], r
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr and "world" not in r.stdout, r
+    assert int(r.stderr.split("peak ")[1]) < 1_500_000, r.stderr  # KiB: torch's start-up, no image decoded
+
+
+@pytest.mark.slow
+def test_an_image_swapped_for_a_fifo_during_a_run_is_one_line(script, tmp_path):
+    """A test image swapped for a FIFO once the check has passed (the data line is out; the test split is read
+    after training): read by a DataLoader worker, refused on opening, one error line from the training process,
+    exit 2, no traceback, no hang."""
+    folder = grey_folder(tmp_path / "f")
+    proc = subprocess.Popen([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "1", "--data", "f",
+                             "--workers", "1", "-e", "1"], cwd=tmp_path, env=cpu_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.startswith("data: ") for line in lines), proc.stderr.read()
+        (folder / "test" / "green" / "0.png").unlink()
+        os.mkfifo(folder / "test" / "green" / "0.png")
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        kill_group(proc)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == ["error: the image f/test/green/0.png is not a regular file (a FIFO, "
+                                               "device or socket) (remove or replace it)"], (out, err)
+    assert "Traceback" not in err and "epoch 1/1" in out and "test:" not in out, (out, err)
