@@ -4,8 +4,9 @@ An image folder the tests write themselves with PIL: DIR/train/<class>/*.png and
 Default tier: one launch of 2 spawned processes (exact test count, accuracy above chance, replicas in
 sync, the checkpoint reloads and reproduces the result here), and in-process checks of the layout
 validation (each bad layout is one error line, exit 2), of a typed --data that holds nothing, of the
-model's shapes, of a cut folder keeping every class, and of --amp auto's one rule. Slow tier: a typed
---data that holds nothing ends a real launch with exit 2, and 32 x 32 IDX files train.
+model's shapes, of a cut folder keeping every class, and of --amp auto's one rule; hostile folders (issue 42:
+FIFOs, links, pixel bombs, files swapped after the check) refused in one line each. Slow tier: a typed
+--data that holds nothing ends a real launch with exit 2, 32 x 32 IDX files train, and the attacks in real runs.
 """
 import argparse
 import contextlib
