@@ -352,14 +352,13 @@ def check_image_folder(root, max_pixels):
 
 
 def check_no_linked_folder(splits):
-    """ImageFolder's walk follows links to folders: out of --data, or round a loop (two links to a parent folder
-    and it never ends). Refused before it walks, the split folders and every folder below them."""
+    """ImageFolder's walk follows links to folders, out of --data or round a loop (two links to a parent folder
+    and it never ends): refused before it walks, the split folders and every folder below them."""
     for top in splits:
-        links = [top] if os.path.islink(top) else (os.path.join(path, name) for path, names, _ in os.walk(top)
-                                                    for name in names if os.path.islink(os.path.join(path, name)))
-        link = next(iter(links), None)
-        if link:
-            fail(f"{link} is a symbolic link to a folder", "put the folder itself there", every_node=True)
+        below = (os.path.join(path, name) for path, names, _ in os.walk(top) for name in names)  # links not entered
+        for folder in [top] if os.path.islink(top) else below:
+            if os.path.islink(folder):
+                fail(f"{folder} is a symbolic link to a folder", "put the folder itself there", every_node=True)
 
 
 def image_format(files, root, max_pixels, most=DECODED):

@@ -430,6 +430,10 @@ def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_p
         found, error = check(folder, capsys)
         assert error and says in error and time.perf_counter() - start < 5, (name, error)
     assert decoded and set(decoded) == {(8, 8)}, decoded
+    (tmp_path / "split").mkdir()  # the split folder itself a link (to the images of another folder)
+    (tmp_path / "split" / "train").symlink_to(tmp_path / "ok" / "train")
+    shutil.copytree(tmp_path / "ok" / "test", tmp_path / "split" / "test")
+    assert "split/train is a symbolic link to a folder" in check(tmp_path / "split", capsys)[1]
     assert "is 8 x 8, more than --max_pixels 63 pixels" in check(tmp_path / "ok", capsys, max_pixels=63)[1]
     assert check(tmp_path / "ok", capsys, max_pixels=64)[0]["shape"] == [1, 8, 8]
     with pytest.raises(SystemExit):
