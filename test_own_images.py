@@ -15,7 +15,6 @@ import math
 import random
 import re
 import os
-import resource
 import shutil
 import struct
 import subprocess
@@ -394,7 +393,8 @@ def pixel_bomb(side=13000, depth=1):
 
 def grey_folder(root):
     """A small folder of 8 x 8 grey images, and an 8 x 8 grey image outside it (what a link out would read)."""
-    write_folder(root, {"train": [2, 2, 2], "test": [1, 1, 1]}, make=lambda rng, label: Image.new("L", (8, 8), 40 * label))
+    write_folder(root, {"train": [2, 2, 2], "test": [1, 1, 1]},
+                 make=lambda rng, label: Image.new("L", (8, 8), 40 * label))
     Image.new("L", (8, 8), 255).save(root.parent / "outside.png")
     return root
 
@@ -407,6 +407,8 @@ def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_p
     from PIL import ImageFile
     decoded, load = [], ImageFile.ImageFile.load
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image.size) or load(image))
+    opened, os_open = [], os.open  # what the check opens, resolved: nothing outside the folder checked
+    monkeypatch.setattr(os, "open", lambda path, *rest: opened.append(os.path.realpath(path)) or os_open(path, *rest))
     (tmp_path / "elsewhere").mkdir()
     plants = {  # what the attacker puts at train/red/0.png (or beside it), and what the line says
         "fifo": (lambda path: os.mkfifo(path), "is not a regular file (a FIFO"),
@@ -416,7 +418,8 @@ def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_p
                 "(UnidentifiedImageError: not PNG/JPEG/PPM/BMP/TIFF/WEBP)"),
         "link out": (lambda path: path.symlink_to(tmp_path / "outside.png"), "is a symbolic link out of --data"),
         "link in": (lambda path: path.symlink_to(path.parent / "1.png"), "is a symbolic link (put the file"),
-        "folder link": (lambda path: (path.parent / "loop").symlink_to(".."), "red/loop is a symbolic link to a folder"),
+        "folder link": (lambda path: (path.parent / "loop").symlink_to(".."),
+                        "red/loop is a symbolic link to a folder"),
         "class link": (lambda path: (path.parent.parent / "grey").symlink_to(tmp_path / "elsewhere"),
                        "train/grey is a symbolic link to a folder"),
     }
@@ -429,6 +432,8 @@ def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_p
         start = time.perf_counter()
         found, error = check(folder, capsys)
         assert error and says in error and time.perf_counter() - start < 5, (name, error)
+        assert all(path.startswith(str(folder.resolve()) + os.sep) for path in opened), (name, opened)
+        opened.clear()
     assert decoded and set(decoded) == {(8, 8)}, decoded
     (tmp_path / "split").mkdir()  # the split folder itself a link (to the images of another folder)
     (tmp_path / "split" / "train").symlink_to(tmp_path / "ok" / "train")
@@ -491,8 +496,8 @@ def test_the_attackers_pixel_bombs_end_a_real_launch_at_the_check(launch, script
     r = launch([sys.executable, "-c", peak, sys.executable, script("ddp_main.py"), "--device", "cpu", "--data", "f"],
                timeout=60, env=cpu_env(), check=False)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == 2 and errors == ["error: the image f/train/blue/0.png is 13000 x 13000, more than "
-                                            "--max_pixels 50000000 pixels (shrink it, or pass a larger --max_pixels)"], r
+    assert r.returncode == 2 and errors == ["error: the image f/train/blue/0.png is 13000 x 13000, more than --max_"
+                                            "pixels 50000000 pixels (shrink it, or pass a larger --max_pixels)"], r
     assert "Traceback" not in r.stderr and "Warning" not in r.stderr and "world" not in r.stdout, r
     assert int(r.stderr.split("peak ")[1]) < 1_500_000, r.stderr  # KiB: torch's start-up, no image decoded
 
