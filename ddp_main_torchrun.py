@@ -46,11 +46,16 @@ replica check, checkpoint files) is the harness block at the end of the file.
 
 # ---------------------------------------------------------------- imports
 import argparse
+import ast
+import contextlib
+import errno
+import functools
 import inspect
 import math
 import os
 import re
 import socket
+import stat
 import sys
 import time
 from datetime import timedelta
@@ -66,6 +71,8 @@ DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (
 DEFAULT_DATA = "./data"
 IMAGE_MODES = {"L": 1, "RGB": 3, "RGBA": 4}  # PIL mode -> channels; a palette (P) holds indices, not colours
 DECODED = 20000  # images decoded whole before training (about 1 s of 48 x 48 PNGs); beyond, as training reads them
+MAX_PIXELS = 50_000_000  # per image, on its header: 45-megapixel photos pass, 200 MB decoded (RGBA) at most
+IMAGE_FORMATS = ("PNG", "JPEG", "PPM", "BMP", "TIFF", "WEBP")  # ImageFolder's suffixes: a .png holding EPS runs gs
 
 
 # ---------------------------------------------------------------- arguments
@@ -111,6 +118,9 @@ def add_data_args(p):
     p.add_argument("--test_samples", type=int, default=None, metavar="N",
                    help="use the first N test samples, of an image folder N spread evenly (default: "
                         "all of them; 1000 synthetic)")
+    p.add_argument("--max_pixels", type=int, default=MAX_PIXELS, metavar="N",
+                   help="an image folder's images may have at most N pixels each (width x height), read from "
+                        "the header before the image is decoded")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="DataLoader worker processes, per process (0: load in the training process)")
 
@@ -140,7 +150,7 @@ def check_args(args):
     """Bad input is one error line and exit code 2, found before any process group is joined."""
     if args.predict:  # one process and no process group: nothing below applies
         sys.exit(predict(args.checkpoint, args.predict))
-    check_positive(args, "epochs", "batch_size", "lr", "timeout", "train_samples", "test_samples")
+    check_positive(args, "epochs", "batch_size", "lr", "timeout", "train_samples", "test_samples", "max_pixels")
     if args.workers < 0:
         fail(f"--workers must be 0 or more, got {args.workers}", "pass --workers 0")
     check_data(args)  # first: a mistyped --data is named before anything about a checkpoint
@@ -294,7 +304,7 @@ def check_data(args):
     args.image_folder = None
     root = args.data or DEFAULT_DATA
     if args.dataset == "auto" and os.path.isdir(os.path.join(root, "train")):
-        args.image_folder = check_image_folder(root)
+        args.image_folder = check_image_folder(root, args.max_pixels)
     elif args.dataset == "auto" and args.data is not None and not mnist_files(root):
         fail(f"--data {args.data} holds no data: neither an image folder ({os.path.join(args.data, 'train')}"
              f"/<class>/*) nor MNIST's IDX files ({os.path.join(args.data, 'MNIST', 'raw')})",
@@ -302,7 +312,7 @@ def check_data(args):
              "the offline stand-in", every_node=True)
 
 
-def check_image_folder(root):
+def check_image_folder(root, max_pixels):
     """An image folder's layout, checked: the classes (from train/), the test split (test/ or val/), and
     one size and mode for every image. Returns what the model and the data line need, with the two splits
     as ImageFolder datasets (the folder's one walk: training reads the files checked here), else one error line."""
@@ -311,11 +321,12 @@ def check_image_folder(root):
     if len(splits) < 2:
         fail(f"the image folder {root} has train/ but no test/ or val/", f"put held-out images of the same "
              f"classes in {os.path.join(root, 'test')}/<class>/*", every_node=True)
+    check_no_linked_folder(splits[:2])
     bare = [folder for folder in splits[:2] if not any(entry.is_dir() for entry in os.scandir(folder))]
     if bare:  # ImageFolder's own error would be a traceback
         fail(f"{bare[0]} has no class folders", f"put the images of each class in {bare[0]}/<class>/", every_node=True)
     # ImageFolder's walk (one subfolder per class, searched to any depth), empty class folders kept to be named
-    train, test = (ImageFolder(folder, loader=read_image, allow_empty=True) for folder in splits[:2])
+    train, test = (ImageFolder(folder, loader=None, allow_empty=True) for folder in splits[:2])  # loader: below
     classes, tested = set(train.classes), set(test.classes)
     empty = [os.path.join(folder, c) for folder, split in zip(splits, (train, test))
              for c in sorted(set(split.classes) - {split.classes[t] for t in split.targets})]
@@ -329,52 +340,110 @@ def check_image_folder(root):
         missing = sorted(classes - tested)
         print0(f"note: {splits[1]} has no images of {listed(missing)} ({plural(len(missing), 'class')} of "
                f"{len(classes)}): the test accuracy leaves them out")
-    mode, (width, height) = image_format([path for split in (train, test) for path, _ in split.samples])
+    inside = os.path.realpath(root)
+    mode, (width, height) = image_format([path for split in (train, test) for path, _ in split.samples], inside,
+                                         max_pixels)
     if mode not in IMAGE_MODES or min(width, height) < 4:
         fail(f"the images in {root} are {mode}, {width} x {height}", "convert them to L, RGB or RGBA, "
              "at least 4 x 4 pixels", every_node=True)
+    # training reads each file again: one swapped in since is refused on opening or on its header
+    train.loader = test.loader = functools.partial(read_image, expected=(mode, (width, height)), root=inside)
     shape = [IMAGE_MODES[mode], height, width]
     return {"kind": "images", "train": splits[0], "test": splits[1], "classes": train.classes, "shape": shape,
             "name": f"image folder of {len(classes)} classes, {' x '.join(map(str, shape))}",
             "sets": (train, test)}
 
 
-def image_format(files, most=DECODED):
-    """The one (mode, size) of every image file, else one error line. Every header is read and up to `most`
-    files (evenly spread) are decoded whole, so a truncated or corrupt file is named now, not after an epoch;
-    in a larger folder the others are decoded as training reads them (read_image names a bad one then)."""
-    from PIL import Image
+def check_no_linked_folder(splits):
+    """ImageFolder's walk follows links to folders, out of --data or round a loop (two links to a parent folder
+    and it never ends): refused before it walks, the split folders and every folder below them."""
+    for top in splits:
+        below = (os.path.join(path, name) for path, names, _ in os.walk(top) for name in names)  # links not entered
+        for folder in [top] if os.path.islink(top) else below:
+            if os.path.islink(folder):
+                fail(f"{folder} is a symbolic link to a folder", "put the folder itself there", every_node=True)
+
+
+def image_format(files, root, max_pixels, most=DECODED):
+    """The one (mode, size) of every image file in `root`, else one error line. Every header is read and
+    checked (at most max_pixels pixels, the others' mode and size) before up to `most` files (evenly spread)
+    are decoded whole, so a truncated or corrupt file is named now, not after an epoch; in a larger folder the
+    others are decoded as training reads them (read_image names a bad one then)."""
     every = math.ceil(len(files) / most)
     if every > 1:
         print0(f"note: {len(files)} images: {len(range(0, len(files), every))} of them (evenly spread) decoded "
                "before training, the others as training reads them")
     found = {}
-    for i, path in enumerate(files):
-        try:
-            with Image.open(path) as image:
+    try:
+        for i, path in enumerate(files):
+            with image_header(path, root) as image:
+                if image.width * image.height > max_pixels:
+                    fail(f"the image {path} is {image.width} x {image.height}, more than --max_pixels {max_pixels} "
+                         "pixels", "shrink it, or pass a larger --max_pixels", every_node=True)
+                found.setdefault((image.mode, image.size), path)
+                if len(found) > 1:
+                    (mode, size), first = next(iter(found.items()))
+                    fail(f"the images differ in size or mode: {first} is {mode} {size[0]} x {size[1]}, {path} is "
+                         f"{image.mode} {image.size[0]} x {image.size[1]}", "give them all one size and mode, "
+                         "e.g. with PIL's Image.convert('RGB').resize((32, 32))", every_node=True)
                 if i % every == 0:
                     image.load()
-                found.setdefault((image.mode, image.size), path)
-        except Exception as e:  # OSError (truncated, unreadable), SyntaxError (a broken PNG chunk), zlib.error, ...
-            fail(f"cannot read the image {path} ({type(e).__name__}: {e})", "remove or replace it", every_node=True)
-        if len(found) > 1:
-            (mode, size), first = next(iter(found.items()))
-            fail(f"the images differ in size or mode: {first} is {mode} {size[0]} x {size[1]}, {path} is "
-                 f"{image.mode} {image.size[0]} x {image.size[1]}", "give them all one size and mode, "
-                 "e.g. with PIL's Image.convert('RGB').resize((32, 32))", every_node=True)
+    except ImageRefused as e:
+        fail(*e.args, every_node=True)
     return next(iter(found))
 
 
-def read_image(path):
-    """ImageFolder's loader, keeping the image's mode (its own converts every image to RGB); a file that
-    cannot be decoded is one error line naming it (from this rank: the others wait on it)."""
+class ImageRefused(Exception):
+    """An image file refused as it is read: the (what, fix) of its error line. From a DataLoader worker it
+    reaches the training process rebuilt from the worker's traceback, whose last line ends with the repr of
+    (what, fix), control characters escaped: read back from there."""
+    def __init__(self, what, fix="remove or replace it"):
+        if what.startswith("Caught ImageRefused"):
+            what, fix = ast.literal_eval(what.rstrip("\n").rpartition("\n")[2].partition("ImageRefused: ")[2])
+        super().__init__(what, fix)
+
+
+@contextlib.contextmanager
+def image_header(path, root=None):
+    """PIL's image of the file at `path`, its header read; load() decodes it from the same descriptor, so what
+    was checked is what is decoded, whatever is swapped in meanwhile. Opened once, without blocking (a FIFO
+    would hang the run), a regular file only (not a FIFO, device or socket); in an image folder (`root`,
+    resolved) never through a link: its target may change between a check and a read, or lie outside --data
+    (a path typed for --predict may be one). Any problem, in the with block too, is an ImageRefused."""
     from PIL import Image
+    Image.MAX_IMAGE_PIXELS = None  # the callers bound the pixels on the header; PIL's bound would warn first
     try:
-        with Image.open(path) as image:
-            image.load()
-            return image
-    except Exception as e:  # see image_format
-        fail(f"cannot read the image {path} ({type(e).__name__}: {e})", "remove or replace it", every_rank=True)
+        if root and os.path.commonpath([root, os.path.realpath(path)]) != root:
+            raise ImageRefused(f"the image {path} is a symbolic link out of --data", "put the file itself there")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if root else 0))
+        except OSError as e:  # O_NOFOLLOW's ELOOP: the file is a link
+            raise ImageRefused(f"the image {path} is a symbolic link", "put the file itself there") \
+                if e.errno == errno.ELOOP else e
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ImageRefused(f"the image {path} is not a regular file (a FIFO, device or socket)")
+            with Image.open(file, formats=IMAGE_FORMATS) as image:
+                yield image
+    except ImageRefused:
+        raise
+    except Exception as e:  # OSError (truncated, unreadable), SyntaxError (a broken PNG chunk), zlib.error, ...
+        reason = f"not {'/'.join(IMAGE_FORMATS)}" if type(e).__name__ == "UnidentifiedImageError" else e  # not the fd
+        raise ImageRefused(f"cannot read the image {path} ({type(e).__name__}: {reason})") from None
+
+
+def read_image(path, expected, root=None):
+    """ImageFolder's loader (and --predict's), keeping the image's mode (its own converts every image to RGB).
+    The header must show `expected`, the (mode, size) the model takes, before the file is decoded: a file
+    swapped in after the check costs no more than the images checked. A refused file is an ImageRefused."""
+    with image_header(path, root) as image:
+        if (image.mode, image.size) != expected:
+            mode, (width, height) = expected
+            raise ImageRefused(f"{path} is {image.mode} {image.size[0]} x {image.size[1]}, the model takes {mode} "
+                               f"{width} x {height}", f"convert it, e.g. with PIL's Image.convert('{mode}')"
+                               f".resize(({width}, {height}))")
+        image.load()
+        return image
 
 
 def listed(names, most=10):
@@ -728,12 +797,12 @@ def prepare(path, card):
     """One image file as the model saw its training images: checked against the model's input, made a
     tensor in [0, 1] (ToTensor), normalised by the training split's mean and std."""
     from torchvision.transforms.functional import normalize, to_tensor  # see mnist_files
-    image = read_image(path)
     channels, height, width = card["shape"]
     mode = next((name for name, count in IMAGE_MODES.items() if count == channels), "?")
-    if (image.mode, image.size) != (mode, (width, height)):
-        fail(f"{path} is {image.mode} {image.size[0]} x {image.size[1]}, the model takes {mode} {width} x {height}",
-             f"convert it, e.g. with PIL's Image.convert('{mode}').resize(({width}, {height}))")
+    try:
+        image = read_image(path, (mode, (width, height)))
+    except ImageRefused as e:
+        fail(*e.args)
     return normalize(to_tensor(image), card["mean"], card["std"])
 
 
@@ -827,6 +896,8 @@ def main():
     try:
         with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
             in_sync = train(device, args)
+    except ImageRefused as e:  # as training reads it, in this process or a DataLoader worker
+        fail(*e.args, every_rank=True)
     finally:
         cleanup()
     if not in_sync:
@@ -839,14 +910,12 @@ def main():
 # sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import contextlib
 import gc
 import json
 import logging
 import multiprocessing
 import pickle
 import signal
-import stat
 import threading
 import traceback
 import zipfile

@@ -4,8 +4,9 @@ An image folder the tests write themselves with PIL: DIR/train/<class>/*.png and
 Default tier: one launch of 2 spawned processes (exact test count, accuracy above chance, replicas in
 sync, the checkpoint reloads and reproduces the result here), and in-process checks of the layout
 validation (each bad layout is one error line, exit 2), of a typed --data that holds nothing, of the
-model's shapes, of a cut folder keeping every class, and of --amp auto's one rule. Slow tier: a typed
---data that holds nothing ends a real launch with exit 2, and 32 x 32 IDX files train.
+model's shapes, of a cut folder keeping every class, and of --amp auto's one rule; hostile folders (issue 42:
+FIFOs, links, pixel bombs, files swapped after the check) refused in one line each. Slow tier: a typed
+--data that holds nothing ends a real launch with exit 2, 32 x 32 IDX files train, and the attacks in real runs.
 """
 import argparse
 import contextlib
@@ -13,8 +14,13 @@ import io
 import math
 import random
 import re
+import os
+import shutil
 import struct
+import subprocess
 import sys
+import time
+import zlib
 
 from pathlib import Path
 
@@ -25,7 +31,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import ddp_main
-from conftest import cpu_env, run_doc_snippet
+from conftest import cpu_env, kill_group, run_doc_snippet
 from ddp_main import ConvNet
 
 COLOURS = {"blue": (50, 60, 210), "green": (40, 180, 60), "red": (200, 40, 40)}  # sorted: ImageFolder's order
@@ -120,9 +126,9 @@ def test_image_folder_at_two_processes(launch, script, metrics, tmp_path, capsys
 
 
 # ---------------------------------------------------------------- the layout, checked before training
-def check(root, capsys):
+def check(root, capsys, max_pixels=ddp_main.MAX_PIXELS):
     """ddp_main.check_data on --data root: (the image folder found, None) or (None, its one error line)."""
-    args = argparse.Namespace(dataset="auto", data=str(root))
+    args = argparse.Namespace(dataset="auto", data=str(root), max_pixels=max_pixels)
     try:
         ddp_main.check_data(args)
     except SystemExit as e:
@@ -188,14 +194,14 @@ def test_a_bad_image_is_named_before_training_and_a_missing_test_class_said(tmp_
 
     files = sorted(str(path) for path in (tmp_path / "f" / "train").rglob("*.png"))
     Path(files[1]).write_bytes(Path(files[1]).read_bytes()[:300])
-    assert ddp_main.image_format(files, most=5) == ("RGB", (32, 32))  # files 0, 2, 4, 6, 8 decoded
+    root = os.path.realpath(tmp_path)
+    assert ddp_main.image_format(files, root, ddp_main.MAX_PIXELS, most=5) == ("RGB", (32, 32))  # 0, 2, 4, 6, 8 decoded
     assert capsys.readouterr().out == ("note: 9 images: 5 of them (evenly spread) decoded before training, "
                                        "the others as training reads them\n")
-    with pytest.raises(SystemExit) as exited:
-        ddp_main.read_image(files[1])
-    error = capsys.readouterr().err
-    assert exited.value.code == 2 and error == f"error: cannot read the image {files[1]} (OSError: image file " \
-        "is truncated) (remove or replace it)\n", error
+    with pytest.raises(ddp_main.ImageRefused) as refused:  # main() makes it the error line
+        ddp_main.read_image(files[1], ("RGB", (32, 32)))
+    assert refused.value.args == (f"cannot read the image {files[1]} (OSError: image file is truncated)",
+                                  "remove or replace it"), refused.value.args
 
 
 def test_predict_and_the_data_path_say_what_is_wrong_in_one_line(tmp_path, capsys, monkeypatch):
@@ -371,3 +377,149 @@ def test_evaluate_names_the_epoch_and_each_class_and_old_checkpoints_load(launch
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1 and "trained on the classes blue, green, red, this data has " \
         "blue, green, rose" in errors[0], r
+
+
+# ---------------------------------------------------------------- hostile image folders (issue 42, class 5)
+def pixel_bomb(side=13000, depth=1):
+    """A grey PNG of side x side zeros, `depth` bits each, in a few KB, as an attacker writes it (PIL would decode
+    it into side**2 bytes): compressed row by row, never held whole here."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    deflate, row = zlib.compressobj(9), bytes(1 + (side * depth + 7) // 8)  # each row: filter 0, then the bits
+    pixels = b"".join(deflate.compress(row) for _ in range(side)) + deflate.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">2I5B", side, side, depth, 0, 0, 0, 0))
+            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+def grey_folder(root):
+    """A small folder of 8 x 8 grey images, and an 8 x 8 grey image outside it (what a link out would read)."""
+    write_folder(root, {"train": [2, 2, 2], "test": [1, 1, 1]},
+                 make=lambda rng, label: Image.new("L", (8, 8), 40 * label))
+    Image.new("L", (8, 8), 255).save(root.parent / "outside.png")
+    return root
+
+
+def test_fifos_links_and_pixel_bombs_are_refused_before_any_process_starts(tmp_path, capsys, monkeypatch):
+    """The attacks of issue 42 (a FIFO hung the run; 13,000 x 13,000 PNGs of a few KB took gigabytes; a link out
+    of --data was read), each planted in a fresh folder, and an EPS named .png (PIL would run Ghostscript on it):
+    one error line at the folder's check, in well under a second, and no image larger than the folder's 8 x 8
+    decoded (the bound is read from the header)."""
+    from PIL import ImageFile
+    decoded, load = [], ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: decoded.append(image.size) or load(image))
+    opened, os_open = [], os.open  # what the check opens, resolved: nothing outside the folder checked
+    monkeypatch.setattr(os, "open", lambda path, *rest: opened.append(os.path.realpath(path)) or os_open(path, *rest))
+    (tmp_path / "elsewhere").mkdir()
+    plants = {  # what the attacker puts at train/red/0.png (or beside it), and what the line says
+        "fifo": (lambda path: os.mkfifo(path), "is not a regular file (a FIFO"),
+        "bomb": (lambda path: path.write_bytes(pixel_bomb()), "is 13000 x 13000, more than --max_pixels 50000000 "
+                 "pixels (shrink it, or pass a larger --max_pixels)"),
+        "eps": (lambda path: path.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n"),  # Ghostscript's
+                "(UnidentifiedImageError: not PNG/JPEG/PPM/BMP/TIFF/WEBP)"),
+        "link out": (lambda path: path.symlink_to(tmp_path / "outside.png"), "is a symbolic link out of --data"),
+        "link in": (lambda path: path.symlink_to(path.parent / "1.png"), "is a symbolic link (put the file"),
+        "folder link": (lambda path: (path.parent / "loop").symlink_to(".."),
+                        "red/loop is a symbolic link to a folder"),
+        "class link": (lambda path: (path.parent.parent / "grey").symlink_to(tmp_path / "elsewhere"),
+                       "train/grey is a symbolic link to a folder"),
+    }
+    grey_folder(tmp_path / "ok")
+    for name, (plant, says) in plants.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "ok", folder, symlinks=True)
+        (folder / "train" / "red" / "0.png").unlink()
+        plant(folder / "train" / "red" / "0.png")
+        start = time.perf_counter()
+        found, error = check(folder, capsys)
+        assert error and says in error and time.perf_counter() - start < 5, (name, error)
+        assert all(path.startswith(str(folder.resolve()) + os.sep) for path in opened), (name, opened)
+        opened.clear()
+    assert decoded and set(decoded) == {(8, 8)}, decoded
+    (tmp_path / "split").mkdir()  # the split folder itself a link (to the images of another folder)
+    (tmp_path / "split" / "train").symlink_to(tmp_path / "ok" / "train")
+    shutil.copytree(tmp_path / "ok" / "test", tmp_path / "split" / "test")
+    assert "split/train is a symbolic link to a folder" in check(tmp_path / "split", capsys)[1]
+    assert "is 8 x 8, more than --max_pixels 63 pixels" in check(tmp_path / "ok", capsys, max_pixels=63)[1]
+    assert check(tmp_path / "ok", capsys, max_pixels=64)[0]["shape"] == [1, 8, 8]
+    with pytest.raises(SystemExit):
+        ddp_main.check_args(ddp_main.parse_args(["--max_pixels", "0"]))
+    assert capsys.readouterr().err == "error: --max_pixels must be positive, got 0 (pass a --max_pixels above 0)\n"
+
+
+def test_an_image_swapped_after_the_check_is_refused_as_training_reads_it(tmp_path, capsys):
+    """Training reads the files the check listed, each opened again: one swapped since for a FIFO, a link out of
+    --data or a pixel bomb, or reached through a class folder swapped for a link out, is refused on opening or on
+    its header (no larger than the checked 8 x 8), in this process and through a DataLoader worker alike, where
+    the worker's exception reaches the training process with its (what, fix) intact, a newline in the name too."""
+    folder = grey_folder(tmp_path / "f")
+    red, forged = folder / "train" / "red", folder / "train" / "red" / "x\nerror: forged.png"
+    Image.new("L", (8, 8)).save(forged, format="PNG")
+    train = check(folder, capsys)[0]["sets"][0]
+    index = [path for path, _ in train.samples].index(str(forged))
+
+    def class_folder_swapped(path):  # train/red renamed away, a link to a folder outside in its place
+        shutil.copytree(red, tmp_path / "red")
+        red.rename(tmp_path / "moved")
+        red.symlink_to(tmp_path / "red")
+        shutil.copy(tmp_path / "outside.png", path)
+
+    swaps = [(os.mkfifo, "is not a regular file (a FIFO, device or socket)"),
+             (lambda path: path.symlink_to(tmp_path / "outside.png"), "is a symbolic link out of --data"),
+             (lambda path: path.write_bytes(pixel_bomb()), "is 1 13000 x 13000, the model takes L 8 x 8"),
+             (class_folder_swapped, "is a symbolic link out of --data")]
+    for swap, says in swaps:
+        forged.unlink()
+        swap(forged)
+        with pytest.raises(ddp_main.ImageRefused) as refused:
+            train[index]
+        assert refused.value.args[0] in (f"the image {forged} {says}", f"{forged} {says}"), refused.value.args
+    red.unlink()
+    (tmp_path / "moved").rename(red)
+    os.mkfifo(forged)
+    with pytest.raises(ddp_main.ImageRefused) as refused:
+        next(iter(torch.utils.data.DataLoader(train, batch_size=len(train), num_workers=1)))
+    assert refused.value.args == (f"the image {forged} is not a regular file (a FIFO, device or socket)",
+                                  "remove or replace it"), refused.value.args
+
+
+@pytest.mark.slow
+def test_the_attackers_pixel_bombs_end_a_real_launch_at_the_check(launch, script, tmp_path):
+    """Three 13,000 x 13,000 PNGs among the images (8-bit grey, 164 KB each, as in the report of issue 42): a
+    run took 6 GB in 37 s, still growing, past PIL's warning; now the check refuses the first one by its
+    header, before any process starts: one line, exit 2, the memory of a start-up."""
+    folder = grey_folder(tmp_path / "f")
+    bomb = pixel_bomb(depth=8)  # as the attacker's: 169 MB decoded
+    for path in ("train/red/0.png", "train/blue/0.png", "test/red/0.png"):
+        (folder / path).write_bytes(bomb)
+    peak = "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); " \
+           "print('peak', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)"
+    r = launch([sys.executable, "-c", peak, sys.executable, script("ddp_main.py"), "--device", "cpu", "--data", "f"],
+               timeout=60, env=cpu_env(), check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and errors == ["error: the image f/train/blue/0.png is 13000 x 13000, more than --max_"
+                                            "pixels 50000000 pixels (shrink it, or pass a larger --max_pixels)"], r
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr and "world" not in r.stdout, r
+    assert int(r.stderr.split("peak ")[1]) < 1_500_000, r.stderr  # KiB: torch's start-up, no image decoded
+
+
+@pytest.mark.slow
+def test_an_image_swapped_for_a_fifo_during_a_run_is_one_line(script, tmp_path):
+    """A test image swapped for a FIFO once the check has passed (the data line is out; the test split is read
+    after training): read by a DataLoader worker, refused on opening, one error line from the training process,
+    exit 2, no traceback, no hang."""
+    folder = grey_folder(tmp_path / "f")
+    proc = subprocess.Popen([sys.executable, script("ddp_main.py"), "--device", "cpu", "--nprocs", "1", "--data", "f",
+                             "--workers", "1", "-e", "1"], cwd=tmp_path, env=cpu_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.startswith("data: ") for line in lines), proc.stderr.read()
+        (folder / "test" / "green" / "0.png").unlink()
+        os.mkfifo(folder / "test" / "green" / "0.png")
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        kill_group(proc)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == ["error: the image f/test/green/0.png is not a regular file (a FIFO, "
+                                               "device or socket) (remove or replace it)"], (out, err)
+    assert "Traceback" not in err and "epoch 1/1" in out and "test:" not in out, (out, err)
