@@ -913,9 +913,10 @@ def read_file_in(root, name, limit):
 
 
 class SaveFolder:
-    """One save's folder, opened once through the checkpoint folder (open_checked), and the files in it, each
-    opened once through that descriptor and read from its own: a file swapped for another run's, a link or
-    a FIFO after the checks is never what is read. A context manager: leaving it closes them."""
+    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
+    refused), and the files in it, each opened once through that descriptor and read from its own: a file
+    swapped for another run's, a link or a FIFO after the checks is never what is read. A file refused is
+    a ValueError (DCP, which reads through here, makes every rank's failure one). A context manager."""
 
     def __init__(self, root, name):
         self.path, self.files = os.path.join(root, name), {}
@@ -927,7 +928,10 @@ class SaveFolder:
 
     def open(self, name):
         if name not in self.files:
-            self.files[name] = inside(self.path, name, stat.S_ISREG, self.fd)
+            fd, why = open_checked(name, stat.S_ISREG, self.fd)
+            if why:
+                raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
+            self.files[name] = fd
         return self.files[name]
 
     def size(self, name):
@@ -1001,18 +1005,24 @@ def scan_pickle(data):
         memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
 
 
-def settable(obj):
+def settable(obj, names):
     """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
-    name). vars() alone misses the second: a function's __defaults__ and __code__, a class's __name__ and
-    __bases__, anyone's __class__ (an enum member's can be made another class, process-wide)."""
+    name: `names`, from described_names)."""
     described = {}
-    for name in {n for klass in type(obj).__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
-                 and getattr(d, "fset", True)} - {"__dict__", "__flags__"}:  # a property without a setter
-        # cannot be set; a class's __dict__ is a new view at each look (its content is the first part), and
-        # its __flags__ (read-only) change with its caches
+    for name in names:
         with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
             described[name] = getattr(obj, name)
     return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
+
+
+def described_names(kind):
+    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
+    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
+    __class__ (an enum member's can be made another class, process-wide). A property without a setter
+    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
+    and its __flags__ (read-only) change with its caches."""
+    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
+            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
 
 
 def changed(before, now):
@@ -1021,12 +1031,12 @@ def changed(before, now):
             and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
 
 
-def put_back(obj, before):
-    """Undo what changed on `obj` since settable(obj) gave `before`; whether anything had."""
+def put_back(obj, names, before):
+    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
     attributes, described = before
-    now = settable(obj)
-    names = changed(described, now[1])
-    for name in sorted(names, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
+    now = settable(obj, names)
+    moved = changed(described, now[1])
+    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
         setattr(obj, name, described[name])
     if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
         vars(obj).clear()
@@ -1034,7 +1044,7 @@ def put_back(obj, before):
     else:  # a class's, changed through setattr alone
         for k in changed(attributes, now[0]):
             setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
-    return bool(names or changed(attributes, now[0]))
+    return bool(moved or changed(attributes, now[0]))
 
 
 def unpickle_metadata(data):
@@ -1044,12 +1054,14 @@ def unpickle_metadata(data):
     scan_pickle(data)
     held = list(METADATA_GLOBALS.values())
     held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
-    before = [settable(v) for v in held]
+    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
+    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
+    before = [settable(v, n) for v, n in zip(held, names)]
     try:
         return MetadataUnpickler(io.BytesIO(data)).load()
     finally:
-        for obj, state in zip(held, before):
-            if put_back(obj, state):
+        for obj, n, state in zip(held, names, before):
+            if put_back(obj, n, state):
                 raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
 
 
@@ -1066,11 +1078,17 @@ def read_metadata(folder):
         fail(f"{folder.path} is incomplete: it has no .metadata (a save that did not finish)",
              f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
     try:
-        metadata = unpickle_metadata(read_bounded(folder.open(".metadata"), METADATA_LIMIT))
-        check_metadata(metadata, folder)
+        return metadata_of(folder)
     except Exception as e:  # anything, MemoryError and RecursionError included: the file is refused
         fail(f"{path} was refused unread: {type(e).__name__}: {str(e)[:120]}", "load only checkpoints this script "
              "wrote; delete it to start afresh", every_node=True)
+
+
+def metadata_of(save):
+    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
+    raises what refuses it."""
+    metadata = unpickle_metadata(read_bounded(save.open(".metadata"), METADATA_LIMIT))
+    check_metadata(metadata, save)
     return metadata
 
 
@@ -1190,7 +1208,7 @@ class SafeReader(FileSystemReader):
         self.fs, self.save = SaveFiles(save), save
 
     def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata(self.save)
+        metadata = metadata_of(self.save)  # read_checkpoint has said why a save is refused; a swap since is one line
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
