@@ -56,10 +56,12 @@ every rank has finished, so a run killed mid-save resumes from the previous save
 mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
 as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
 a full, code-running torch.load; this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder:
-a checkpoint is data, not code. A second run on the same folder is refused (rank 0 locks it). As
-in ddp_transformer.py, a folder another run left is continued only with --resume (the job's own,
-after a torchrun restart, without): the job is stamped in the pointer.
+DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder
+(each file opened once by name in its folder's descriptor, checked on its own descriptor and read
+from it, by DCP too: no link, FIFO, hard link or mount): a checkpoint is data, not code. A second
+run on the same folder is refused (rank 0 locks it). As in ddp_transformer.py, a folder another run
+left is continued only with --resume (the job's own, after a torchrun restart, without): the job is
+stamped in the pointer.
 """
 
 # ---------------------------------------------------------------- imports
