@@ -1184,20 +1184,47 @@ def check_tensor_record(data):
 
 
 class SaveFiles(FileSystem):
-    """DCP's file system, for reading one save (a SaveFolder): each stream DCP opens is a file of that save,
-    opened once and checked (SaveFolder.open), never a path opened again."""
+    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
+    folder's descriptor, and no path is walked again. Read: the file opened once and checked
+    (SaveFolder.open). Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
+    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
+    and removed in the folder alone."""
 
     def __init__(self, save):
         super().__init__()
         self.save = save
 
+    def name_of(self, path):
+        path = pathlib.Path(path)
+        if path.parent != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
+        return path.name
+
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        path = pathlib.Path(path)
-        if mode != "rb" or path.parent != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path} to read")
-        with os.fdopen(os.dup(self.save.open(path.name)), "rb") as stream:
+        name = self.name_of(path)
+        if mode not in ("rb", "wb"):
+            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
+        fd = os.dup(self.save.open(name)) if mode == "rb" else \
+            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
+        with os.fdopen(fd, mode) as stream:
             yield stream
+
+    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
+        if pathlib.Path(path) != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
+
+    def exists(self, path):
+        try:
+            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
+        except FileNotFoundError:
+            return False
+
+    def rm_file(self, path):
+        os.unlink(self.name_of(path), dir_fd=self.save.fd)
+
+    def rename(self, path, new_path):
+        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
 
 
 class SafeReader(FileSystemReader):
@@ -1304,9 +1331,15 @@ def save_folder(root, step, committed):
     while name == committed:
         n, name = n + 1, f"step-{step:08d}-{n + 1}"
     path = os.path.join(root, name)
-    if int(os.environ.get("RANK", "0")) == 0 and os.path.lexists(path) and not remove_save(root, name):
-        fail(f"{path} is a link or a file, or a folder this run does not delete (a mount, or a folder in it), where "
-             "this save would write its folder", "remove it and resume")
+    if int(os.environ.get("RANK", "0")) == 0:
+        if os.path.lexists(path) and not remove_save(root, name):
+            fail(f"{path} is a link or a file, or a folder this run does not delete (a mount, or a folder in it), "
+                 "where this save would write its folder", "remove it and resume")
+        try:
+            os.mkdir(path)  # here, so that every rank opens it before writing (save_tensors)
+        except OSError as e:
+            fail(f"cannot make {path} ({e.strerror}); {POINTER} still names the previous save",
+                 "free space on the disk or make the folder writable, then resume")
     return name
 
 
@@ -1352,11 +1385,15 @@ def commit_checkpoint(root, folder, state):
 
 
 def save_tensors(tensors, root, folder):
-    """DCP writes root/folder: each rank its own shards, then rank 0 the .metadata, after every rank has
-    written. A write that fails on any rank (a full disk, a read-only folder) fails on every rank (DCP
-    gathers them): one error line, this save's folder deleted, the pointer's save kept."""
+    """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
+    after every rank has written, each file created in the folder's descriptor (SaveFiles). A write that
+    fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
+    (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
+    writer = FileSystemWriter(os.path.join(root, folder))
     try:
-        dcp.save(tensors, storage_writer=FileSystemWriter(os.path.join(root, folder)))
+        with SaveFolder(root, folder) as save:
+            writer.fs = SaveFiles(save)
+            dcp.save(tensors, storage_writer=writer)
     except (Exception, dcp.CheckpointException) as e:
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:
             remove_save(root, folder)

@@ -851,31 +851,53 @@ def test_non_finite_weights_are_refused_naming_the_tensor(ck, capsys, value):
     refused(lambda: resume(ck), capsys, "NaN or an infinity", "model.layers.0.ffn.fc1.weight")
 
 
+def failing_fsync(monkeypatch, code, part):
+    """os.fsync fails with `code` (where a full disk or a read-only file system says so) for the files
+    whose name holds `part`."""
+    real = os.fsync
+
+    def fsync(fd):
+        if part in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(code, os.strerror(code))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
 def test_a_full_disk_or_a_read_only_folder_at_save_time_is_one_line_and_keeps_the_save(ck, capsys, monkeypatch,
                                                                                       code):
     """Class 9: the shards' write (DCP) or the pointer's failing: a traceback. Now one line, the folder of
     the failed save removed, the pointer and its save as they were, and they resume."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
     pointer, kept = (ck / "latest.json").read_bytes(), sorted(os.listdir(ck / "step-00000004"))
     tensors = tensors_of(a_model(ck))
-    real_stream, real_fsync = FileSystem.create_stream, os.fsync
-
-    def no_space(*args):
-        raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(FileSystem, "create_stream", lambda self, path, mode: no_space() if "w" in mode
-                        else real_stream(self, path, mode))
+    with monkeypatch.context() as patched:
+        failing_fsync(patched, code, ".distcp")
+        folder = fsdp.save_folder(str(ck), 5, "step-00000004")
+        refused(lambda: fsdp.save_tensors(tensors, str(ck), folder), capsys, os.strerror(code), "previous save")
     folder = fsdp.save_folder(str(ck), 5, "step-00000004")
-    refused(lambda: fsdp.save_tensors(tensors, str(ck), folder), capsys, os.strerror(code), "previous save")
-    monkeypatch.setattr(FileSystem, "create_stream", real_stream)
     fsdp.save_tensors(tensors, str(ck), folder)
-    monkeypatch.setattr(os, "fsync", lambda fd: no_space() if ".tmp" in os.readlink(f"/proc/self/fd/{fd}")
-                        else real_fsync(fd))
-    refused(lambda: fsdp.commit_checkpoint(str(ck), folder, {**json.loads(pointer), "step": 5}), capsys,
-            os.strerror(code), "latest.json")
-    monkeypatch.setattr(os, "fsync", real_fsync)
-    assert sorted(os.listdir(ck)) == ["latest.json", "step-00000004"] and (ck / "latest.json").read_bytes() == pointer
-    assert sorted(os.listdir(ck / "step-00000004")) == kept and resume(ck)["step"] == 4
+    with monkeypatch.context() as patched:
+        failing_fsync(patched, code, "latest.json.tmp")
+        refused(lambda: fsdp.commit_checkpoint(str(ck), folder, {**json.loads(pointer), "step": 5}), capsys,
+                os.strerror(code), "latest.json")
+    assert sorted(os.listdir(ck)) == ["latest.json", "step-00000004"]
+    assert (ck / "latest.json").read_bytes() == pointer and sorted(os.listdir(ck / "step-00000004")) == kept
+    assert resume(ck)["step"] == 4
+
+
+@pytest.mark.parametrize("plant", ["hard link", "symbolic link"])
+def test_a_name_planted_in_a_new_save_folder_is_not_written_through(ck, capsys, plant):
+    """Class 8, writing: a `__0_0.distcp` planted in the fresh save folder before DCP writes it, a hard
+    link or a link to a file outside: DCP opened it by path and truncated that file. Each file of a save
+    is now created new in the folder's descriptor: the save fails in one line, the file outside is
+    untouched, and the pointer's save is kept."""
+    victim = ck.parent / "victim.bin"
+    victim.write_bytes(b"keep" * 1000)
+    folder = fsdp.save_folder(str(ck), 5, "step-00000004")
+    (os.link if plant == "hard link" else os.symlink)(victim, ck / folder / "__0_0.distcp")
+    refused(lambda: fsdp.save_tensors(tensors_of(a_model(ck)), str(ck), folder), capsys, "File exists",
+            "previous save")
+    assert victim.read_bytes() == b"keep" * 1000 and not (ck / folder).exists() and resume(ck)["step"] == 4
 
 
 @pytest.mark.slow
