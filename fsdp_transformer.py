@@ -887,62 +887,67 @@ def inside(folder, name, kind, folder_fd):
     return fd
 
 
-def read_bounded(fd, limit):
-    """The bytes of the open plain file `fd`, at most `limit` of them: its size first, then as many bytes."""
-    size = os.fstat(fd).st_size
-    if size > limit:
-        raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
-    data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
+def opened_file(name, folder_fd):
+    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
+    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
+    if why:
+        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
+    return fd
+
+
+def read_bounded(name, folder_fd, limit):
+    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
+    on the descriptor first, then as many bytes from it."""
+    fd = opened_file(name, folder_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
+        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
+    finally:
+        os.close(fd)
     if len(data) != size:
         raise ValueError("it shrank while it was read")
     return data
 
 
 def read_file_in(root, name, limit):
-    """The bytes of the plain file root/name (open_checked: no link, no FIFO, one link, root's mount), at most
-    `limit`; OSError, or ValueError saying why it is refused."""
+    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
     top = os.open(root, FOLDER)
     try:
-        fd, why = open_checked(name, stat.S_ISREG, top)
-        if why:
-            raise ValueError(why)
-        try:
-            return read_bounded(fd, limit)
-        finally:
-            os.close(fd)
+        return read_bounded(name, top, limit)
     finally:
         os.close(top)
 
 
 class SaveFolder:
     """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
-    refused), and the files in it, each opened once through that descriptor and read from its own: a file
-    swapped for another run's, a link or a FIFO after the checks is never what is read. A file refused is
-    a ValueError (DCP, which reads through here, makes every rank's failure one). A context manager."""
+    refused), and the files in it, each opened through that descriptor, checked on its own and read from
+    it: a link, a hard link, a FIFO or a mount put in a file's place after an earlier check is refused
+    when it is opened to be read, never followed. A file refused is a ValueError (DCP, which reads through
+    here, makes every rank's failure one). A context manager: leaving it closes the folder."""
 
     def __init__(self, root, name):
-        self.path, self.files = os.path.join(root, name), {}
-        top = os.open(root, FOLDER)
+        self.path = os.path.join(root, name)
+        try:
+            top = os.open(root, FOLDER)
+        except OSError as e:
+            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
+                 every_node=True)
         try:
             self.fd = inside(root, name, stat.S_ISDIR, top)
         finally:
             os.close(top)
 
-    def open(self, name):
-        if name not in self.files:
-            fd, why = open_checked(name, stat.S_ISREG, self.fd)
-            if why:
-                raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
-            self.files[name] = fd
-        return self.files[name]
-
     def size(self, name):
-        return os.fstat(self.open(name)).st_size
+        fd = opened_file(name, self.fd)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def close(self):
-        for fd in (*self.files.values(), self.fd):
-            os.close(fd)
-        self.files = {}
+        os.close(self.fd)
 
     def __enter__(self):
         return self
@@ -1071,7 +1076,8 @@ def read_metadata(folder):
     """The save's `.metadata` (`folder`: the save's path, or its SaveFolder), unpickled by unpickle_metadata
     and checked by check_metadata; a missing or foreign one is one error line."""
     if not isinstance(folder, SaveFolder):
-        with SaveFolder(*os.path.split(os.path.normpath(folder))) as save:
+        root, name = os.path.split(os.path.normpath(folder))
+        with SaveFolder(root or ".", name) as save:
             return read_metadata(save)
     path = os.path.join(folder.path, ".metadata")
     try:
@@ -1089,7 +1095,7 @@ def read_metadata(folder):
 def metadata_of(save):
     """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
     raises what refuses it."""
-    metadata = unpickle_metadata(read_bounded(save.open(".metadata"), METADATA_LIMIT))
+    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, METADATA_LIMIT))
     check_metadata(metadata, save)
     return metadata
 
@@ -1185,8 +1191,8 @@ def check_tensor_record(data):
 
 class SaveFiles(FileSystem):
     """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
-    folder's descriptor, and no path is walked again. Read: the file opened once and checked
-    (SaveFolder.open). Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
+    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
+    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
     a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
     and removed in the folder alone."""
 
@@ -1205,7 +1211,7 @@ class SaveFiles(FileSystem):
         name = self.name_of(path)
         if mode not in ("rb", "wb"):
             raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
-        fd = os.dup(self.save.open(name)) if mode == "rb" else \
+        fd = opened_file(name, self.save.fd) if mode == "rb" else \
             os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
         with os.fdopen(fd, mode) as stream:
             yield stream
@@ -1325,8 +1331,8 @@ def lock_checkpoint_folder(root):
 def save_folder(root, step, committed):
     """The folder of the save at `step`, never the one the pointer names (`committed`): a resumed run
     that saves at its first step writes beside it, and the save that counts is deleted only once a newer
-    one is committed. Rank 0 removes a folder of that name a killed save left; a link planted there is
-    refused: the save would write wherever it points."""
+    one is committed. Rank 0 removes a folder of that name a killed save left (a link planted there is
+    refused: the save would write wherever it points) and makes it anew."""
     name, n = f"step-{step:08d}", 0
     while name == committed:
         n, name = n + 1, f"step-{step:08d}-{n + 1}"
@@ -1347,23 +1353,24 @@ def remove_save(root, name):
     """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
     is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
     whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
-    top = os.open(root, FOLDER)
     try:
-        fd, _ = open_checked(name, stat.S_ISDIR, top)
-        if fd is None:
-            return False
+        top = os.open(root, FOLDER)
         try:
-            for entry in os.listdir(fd):
-                with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
-                    os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
+            fd, _ = open_checked(name, stat.S_ISDIR, top)
+            if fd is None:
+                return False
+            try:
+                for entry in os.listdir(fd):
+                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
+                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
+            return True
         finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
-        return True
+            os.close(top)
     except OSError:
         return False
-    finally:
-        os.close(top)
 
 
 def commit_checkpoint(root, folder, state):
