@@ -878,15 +878,6 @@ def open_checked(name, kind, folder_fd, flags=CHECKED):
     return fd, ""
 
 
-def inside(folder, name, kind, folder_fd):
-    """open_checked's descriptor of folder/name (`folder_fd`: `folder` open), or one error line."""
-    fd, why = open_checked(name, kind, folder_fd)
-    if why:
-        fail(f"checkpoint {folder} names {str(name)[:80]!r}, which is refused: {why}",
-             "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
-    return fd
-
-
 def opened_file(name, folder_fd):
     """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
     fd, why = open_checked(name, stat.S_ISREG, folder_fd)
@@ -922,10 +913,9 @@ def read_file_in(root, name, limit):
 
 class SaveFolder:
     """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
-    refused), and the files in it, each opened through that descriptor, checked on its own and read from
-    it: a link, a hard link, a FIFO or a mount put in a file's place after an earlier check is refused
-    when it is opened to be read, never followed. A file refused is a ValueError (DCP, which reads through
-    here, makes every rank's failure one). A context manager: leaving it closes the folder."""
+    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
+    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
+    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
 
     def __init__(self, root, name):
         self.path = os.path.join(root, name)
@@ -935,9 +925,12 @@ class SaveFolder:
             fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
                  every_node=True)
         try:
-            self.fd = inside(root, name, stat.S_ISDIR, top)
+            self.fd, why = open_checked(name, stat.S_ISDIR, top)
         finally:
             os.close(top)
+        if why:
+            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
+                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
 
     def size(self, name):
         fd = opened_file(name, self.fd)
