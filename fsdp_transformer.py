@@ -56,10 +56,12 @@ every rank has finished, so a run killed mid-save resumes from the previous save
 mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
 as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
 a full, code-running torch.load; this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder:
-a checkpoint is data, not code. A second run on the same folder is refused (rank 0 locks it). As
-in ddp_transformer.py, a folder another run left is continued only with --resume (the job's own,
-after a torchrun restart, without): the job is stamped in the pointer.
+DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder
+(each file opened once by name in its folder's descriptor, checked on its own descriptor and read
+from it, by DCP too: no link, FIFO, hard link or mount): a checkpoint is data, not code. A second
+run on the same folder is refused (rank 0 locks it). As in ddp_transformer.py, a folder another run
+left is continued only with --resume (the job's own, after a torchrun restart, without): the job is
+stamped in the pointer.
 """
 
 # ---------------------------------------------------------------- imports
@@ -68,6 +70,7 @@ import atexit
 import gc
 import contextlib
 import enum
+import errno
 import fcntl
 import hashlib
 import io
@@ -78,7 +81,6 @@ import pathlib
 import pickle
 import pickletools
 import re
-import shutil
 import stat
 import sys
 import sysconfig
@@ -95,7 +97,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 try:  # torch 2.6+ (fully_shard in torch.distributed.fsdp); torch 2.7 is this collection's floor
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.metadata import StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
@@ -830,46 +832,128 @@ def read_checkpoint(args, corpus):
              + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
              "pass the same model sizes as the run that wrote it")
     windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
-    if state["windows_in_epoch"] >= windows or state["global_batch"] > max(windows, 2 ** 16):
+    # and a step takes no more than the epoch holds: each of a step's micro-batches runs a forward, empty or not
+    if state["windows_in_epoch"] >= windows or state["global_batch"] > windows:
         fail(f"{os.path.join(args.checkpoint, POINTER)} is at window {state['windows_in_epoch']} of {windows}, "
              f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
              "delete the folder to start afresh", every_node=True)
     with torch.device("meta"):  # the shapes only: no memory for weights
         shapes = Transformer(**config)  # PORT: your model
-    check_tensors(inside(args.checkpoint, state["folder"], stat.S_ISDIR), shapes)
+    with SaveFolder(args.checkpoint, state["folder"]) as save:
+        check_tensors(save, shapes)
     return state
 
 
-def inside(root, name, kind):
-    """root/name, refused (one error line) unless it lies inside `root` once every link is resolved and
-    is a plain file or folder (`kind`: stat.S_ISREG or stat.S_ISDIR): never a link out, a FIFO that
-    would hang the read, or a device."""
-    path = os.path.join(root, name)
-    real, top = os.path.realpath(path.replace("\0", "?")), os.path.realpath(root)
+CHECKED = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY  # no link followed, no FIFO waited on
+FOLDER = os.O_RDONLY | os.O_DIRECTORY  # the --checkpoint folder itself: the user's to name, through a link or not
+
+
+def mount_of(fd):
+    """(device, mount) of an open file or folder: a bind mount of another run's folder on the same file
+    system has that file system's device but a mount of its own (Linux's /proc/self/fdinfo; elsewhere the
+    device alone tells a mount)."""
     try:
-        mode = os.lstat(path).st_mode  # lstat: a symbolic link is itself refused, not followed
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the name
-        mode, why = None, f"it cannot be read ({type(e).__name__})"
-    if mode is not None:
-        why = "" if kind(mode) else "it is a symbolic link" if stat.S_ISLNK(mode) else "it is not a plain " + \
-            ("file" if kind is stat.S_ISREG else "folder")
-    if os.sep in name or name in ("", ".", "..") or os.path.dirname(real) != top:
-        why = "it lies outside the checkpoint folder"
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+            mount = next((line.split()[1] for line in f if line.startswith("mnt_id:")), None)
+    except OSError:
+        mount = None
+    return os.fstat(fd).st_dev, mount
+
+
+def open_checked(name, kind, folder_fd, flags=CHECKED):
+    """(descriptor, "") of `name` in the open folder `folder_fd`, or (None, why it is refused). Opened once,
+    without following a link or waiting on a FIFO, and checked on the descriptor, so what is read from it
+    is what was checked whatever takes the name later: a plain file or folder (`kind`: stat.S_ISREG or
+    stat.S_ISDIR) on the folder's own mount (never into a bind mount), a file of one link (a hard link is
+    also a file of some other folder). A name with a separator or a NUL is refused unopened."""
+    if type(name) is not str or os.sep in name or "\0" in name or name in ("", ".", ".."):
+        return None, "it lies outside the checkpoint folder"
+    try:
+        fd = os.open(name, flags | (os.O_DIRECTORY if kind is stat.S_ISDIR else 0), 0o644, dir_fd=folder_fd)
+    except OSError as e:
+        return None, {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is a symbolic link or not a folder"
+                      }.get(e.errno, f"it cannot be opened ({e.strerror})")
+    found = os.fstat(fd)
+    why = "" if kind(found.st_mode) else "it is not a plain " + ("file" if kind is stat.S_ISREG else "folder")
+    if not why and mount_of(fd) != mount_of(folder_fd):
+        why = "it is another file system mounted there"
+    if not why and kind is stat.S_ISREG and found.st_nlink != 1:
+        why = f"it has {found.st_nlink} links (a hard link is a file of another folder too)"
     if why:
-        fail(f"checkpoint {root} names {name[:80]!r}, which is refused: {why}",
-             "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
-    return path
+        os.close(fd)
+        return None, why
+    return fd, ""
 
 
-def read_bounded(path, limit):
-    """The bytes of the plain file `path`, at most `limit` of them: opened without following a link and
-    without blocking (a FIFO), checked to be a plain file before a byte is read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with open(fd, "rb") as f:
-        size = os.fstat(fd)
-        if not stat.S_ISREG(size.st_mode) or size.st_size > limit:
+def opened_file(name, folder_fd):
+    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
+    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
+    if why:
+        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
+    return fd
+
+
+def read_bounded(name, folder_fd, limit):
+    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
+    on the descriptor first, then as many bytes from it."""
+    fd = opened_file(name, folder_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
             raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
-        return f.read(size.st_size)  # read(n) allocates n bytes at once: the file's size, not the limit
+        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise ValueError("it shrank while it was read")
+    return data
+
+
+def read_file_in(root, name, limit):
+    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
+    top = os.open(root, FOLDER)
+    try:
+        return read_bounded(name, top, limit)
+    finally:
+        os.close(top)
+
+
+class SaveFolder:
+    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
+    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
+    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
+    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
+
+    def __init__(self, root, name):
+        self.path = os.path.join(root, name)
+        try:
+            top = os.open(root, FOLDER)
+        except OSError as e:
+            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
+                 every_node=True)
+        try:
+            self.fd, why = open_checked(name, stat.S_ISDIR, top)
+        finally:
+            os.close(top)
+        if why:
+            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
+                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
+
+    def size(self, name):
+        fd = opened_file(name, self.fd)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def close(self):
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def layout_named(name):
@@ -928,57 +1012,110 @@ def scan_pickle(data):
         memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
 
 
+def settable(obj, names):
+    """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
+    name: `names`, from described_names)."""
+    described = {}
+    for name in names:
+        with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
+            described[name] = getattr(obj, name)
+    return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
+
+
+def described_names(kind):
+    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
+    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
+    __class__ (an enum member's can be made another class, process-wide). A property without a setter
+    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
+    and its __flags__ (read-only) change with its caches."""
+    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
+            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
+
+
+def changed(before, now):
+    """The names whose value is not the one held before (an int or a str by value: some are made at each look)."""
+    return {k for k in before.keys() | now.keys() if k not in before or k not in now or before[k] is not now[k]
+            and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
+
+
+def put_back(obj, names, before):
+    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
+    attributes, described = before
+    now = settable(obj, names)
+    moved = changed(described, now[1])
+    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
+        setattr(obj, name, described[name])
+    if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
+        vars(obj).clear()
+        vars(obj).update(attributes)
+    else:  # a class's, changed through setattr alone
+        for k in changed(attributes, now[0]):
+            setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
+    return bool(moved or changed(attributes, now[0]))
+
+
 def unpickle_metadata(data):
-    """MetadataUnpickler on `data`, scanned first; the admitted classes' and enum members' attributes
-    are checked afterwards, since a pickle's BUILD can set attributes on any object it holds."""
+    """MetadataUnpickler on `data`, scanned first; what a setattr can change on the admitted objects and
+    enum members (settable) is checked afterwards, since a pickle's BUILD can set attributes on any object
+    it holds: a change is put back, then refused."""
     scan_pickle(data)
-    held = [v for v in METADATA_GLOBALS.values() if hasattr(v, "__dict__")]
+    held = list(METADATA_GLOBALS.values())
     held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
-    before = [dict(vars(v)) for v in held]
+    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
+    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
+    before = [settable(v, n) for v, n in zip(held, names)]
     try:
         return MetadataUnpickler(io.BytesIO(data)).load()
     finally:
-        for obj, attributes in zip(held, before):
-            now = dict(vars(obj))
-            if now.keys() != attributes.keys() or any(now[k] is not v for k, v in attributes.items()):
-                for k in now.keys() - attributes.keys():
-                    delattr(obj, k)
-                for k in (k for k, v in attributes.items() if now.get(k) is not v):
-                    setattr(obj, k, attributes[k])  # put back, then refused
+        for obj, n, state in zip(held, names, before):
+            if put_back(obj, n, state):
                 raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
 
 
 def read_metadata(folder):
-    """The save's `.metadata`, unpickled by unpickle_metadata and checked by check_metadata; a missing or
-    foreign one is one error line."""
-    path = os.path.join(folder, ".metadata")
-    if not os.path.lexists(path):
-        fail(f"{folder} is incomplete: it has no .metadata (a save that did not finish)",
+    """The save's `.metadata` (`folder`: the save's path, or its SaveFolder), unpickled by unpickle_metadata
+    and checked by check_metadata; a missing or foreign one is one error line."""
+    if not isinstance(folder, SaveFolder):
+        root, name = os.path.split(os.path.normpath(folder))
+        with SaveFolder(root or ".", name) as save:
+            return read_metadata(save)
+    path = os.path.join(folder.path, ".metadata")
+    try:
+        os.stat(".metadata", dir_fd=folder.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        fail(f"{folder.path} is incomplete: it has no .metadata (a save that did not finish)",
              f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
     try:
-        metadata = unpickle_metadata(read_bounded(inside(folder, ".metadata", stat.S_ISREG), METADATA_LIMIT))
-        check_metadata(metadata, folder)
+        return metadata_of(folder)
     except Exception as e:  # anything, MemoryError and RecursionError included: the file is refused
         fail(f"{path} was refused unread: {type(e).__name__}: {str(e)[:120]}", "load only checkpoints this script "
              "wrote; delete it to start afresh", every_node=True)
+
+
+def metadata_of(save):
+    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
+    raises what refuses it."""
+    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, METADATA_LIMIT))
+    check_metadata(metadata, save)
     return metadata
 
 
-def check_tensors(folder, model):
-    """The save must hold this model's weights, each a tensor of its shape (read_metadata admits tensors only)."""
-    saved = read_metadata(folder).state_dict_metadata
+def check_tensors(save, model):
+    """The save (a SaveFolder) must hold this model's weights, each a tensor of its shape (read_metadata
+    admits tensors only)."""
+    saved = read_metadata(save).state_dict_metadata
     for name, tensor in model.state_dict().items():
         entry = saved.get(f"model.{name}")
         if tuple(getattr(entry, "size", ())) != tuple(tensor.shape):
-            fail(f"{folder} is for another model: model.{name} is "
+            fail(f"{save.path} is for another model: model.{name} is "
                  f"{tuple(entry.size) if entry else 'missing'} there, {tuple(tensor.shape)} here",
                  "point --checkpoint at a folder this configuration wrote", every_node=True)
 
 
 def check_metadata(metadata, folder):
     """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
-    with a code-running torch.load), chunks inside their tensor, and every byte range inside a plain
-    file of this folder (relative_path: a name, never absolute or `..`)."""
+    with a code-running torch.load), chunks that tile their tensor (check_tiled), and every byte range
+    inside a plain file of this save (`folder`, a SaveFolder; relative_path: a name, never absolute or `..`)."""
     md = _metadata
     entries = getattr(metadata, "state_dict_metadata", None)
     if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
@@ -997,6 +1134,7 @@ def check_metadata(metadata, folder):
                     type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
                     not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
                 raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
+        check_tiled(key, entry)
     files = {}
     storage = getattr(metadata, "storage_data", None)
     for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
@@ -1006,9 +1144,30 @@ def check_metadata(metadata, folder):
                 getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
             raise ValueError("its storage records are not a tensor file's byte ranges")
         if name not in files:
-            files[name] = os.lstat(inside(folder, name, stat.S_ISREG)).st_size
+            files[name] = folder.size(name)
         if start + length > files[name]:
             raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
+
+
+def check_tiled(key, entry):
+    """The chunks of a saved tensor tile it, so that a resume sets every element: each chunk spans whole
+    rows (FSDP shards the first dimension, and every save this script writes is FSDP's), and the rows of the
+    chunks follow one another from the first to the last without a gap or an overlap. A gap resumed with
+    those rows left at their fresh initialization; sorting keeps the check at n log n for n chunks."""
+    if not entry.size:  # a 0-d tensor (AdamW's step): one chunk, the whole of it
+        if len(entry.chunks) != 1:
+            raise ValueError(f"{key[:60]!r} has {len(entry.chunks)} chunks; a 0-d tensor has one")
+        return
+    rows = []
+    for chunk in entry.chunks:
+        if 0 not in chunk.sizes and (tuple(chunk.offsets[1:]) != (0,) * (len(entry.size) - 1)
+                                     or chunk.sizes[1:] != entry.size[1:]):
+            raise ValueError(f"a chunk of {key[:60]!r} is not whole rows, as FSDP saves them")
+        rows += [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])] * (0 not in chunk.sizes)  # empty: no rows
+    rows.sort()
+    ends = [0] + [end for _, end in rows]
+    if [start for start, _ in rows] != ends[:-1] or ends[-1] != entry.size[0] and 0 not in entry.size:
+        raise ValueError(f"the chunks of {key[:60]!r} leave rows of it unsaved or save them twice")
 
 
 def check_tensor_record(data):
@@ -1030,12 +1189,61 @@ def check_tensor_record(data):
                 raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
 
 
+class SaveFiles(FileSystem):
+    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
+    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
+    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
+    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
+    and removed in the folder alone."""
+
+    def __init__(self, save):
+        super().__init__()
+        self.save = save
+
+    def name_of(self, path):
+        path = pathlib.Path(path)
+        if path.parent != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
+        return path.name
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        name = self.name_of(path)
+        if mode not in ("rb", "wb"):
+            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
+        fd = opened_file(name, self.save.fd) if mode == "rb" else \
+            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
+        with os.fdopen(fd, mode) as stream:
+            yield stream
+
+    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
+        if pathlib.Path(path) != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
+
+    def exists(self, path):
+        try:
+            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
+        except FileNotFoundError:
+            return False
+
+    def rm_file(self, path):
+        os.unlink(self.name_of(path), dir_fd=self.save.fd)
+
+    def rename(self, path, new_path):
+        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
+
+
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader with read_metadata's unpickler and checks, and no entry read that is not
-    a tensor (DCP reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+    """DCP's FileSystemReader over one save (a SaveFolder): read_metadata's unpickler and checks, every file
+    read from the descriptor that was checked (SaveFiles), and no entry read that is not a tensor (DCP
+    reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+
+    def __init__(self, save):
+        super().__init__(save.path)
+        self.fs, self.save = SaveFiles(save), save
 
     def read_metadata(self, *args, **kwargs):
-        metadata = read_metadata(self.path)
+        metadata = metadata_of(self.save)  # read_checkpoint has said why a save is refused; a swap since is one line
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -1054,7 +1262,8 @@ class SafeReader(FileSystemReader):
             return super().read_data(plan, planner)
 
 
-SAVE = re.compile(r"step-\d{8}(-\d{1,6})?")  # the folder of one save: step-00000060, or step-00000060-1
+# the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
+SAVE = re.compile(r"step-(\d{8}|[1-9]\d{8,14})(-\d{1,6})?")
 POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
 POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
                   "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
@@ -1068,10 +1277,11 @@ def read_pointer(root):
     if not os.path.lexists(pointer):
         return None
     try:
-        state = json.loads(read_bounded(inside(root, POINTER, stat.S_ISREG), POINTER_LIMIT),
+        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT),
                            parse_constant=lambda name: {}[name])  # NaN and Infinity are not numbers here
     except (OSError, ValueError, KeyError, RecursionError, MemoryError) as e:
-        fail(f"cannot read {pointer} ({type(e).__name__})", "delete the folder to start afresh", every_node=True)
+        fail(f"cannot read {pointer} ({type(e).__name__}: {str(e)[:80]})", "delete the folder to start afresh",
+             every_node=True)
     bad = [k for k, kind in POINTER_FIELDS.items() if not isinstance(state, dict) or type(state.get(k)) is bool
            or not isinstance(state.get(k), kind)]
     if not bad:  # in range: counts are not negative, a step holds at least one window, names are ours
@@ -1086,7 +1296,7 @@ def read_pointer(root):
     if bad:
         fail(f"{pointer} is not a checkpoint pointer of this script ({', '.join(bad)} missing or out of range)",
              "delete the folder to start afresh", every_node=True)
-    inside(root, state["folder"], stat.S_ISDIR)
+    SaveFolder(root, state["folder"]).close()  # a folder in `root`, no link or mount: one line if not
     return state
 
 
@@ -1097,10 +1307,14 @@ def lock_checkpoint_folder(root):
     if int(os.environ.get("RANK", "0")) != 0 or os.path.realpath(root) in LOCKED:  # before init_process_group too
         return
     os.makedirs(root, exist_ok=True)
-    try:  # O_NOFOLLOW: a link planted as .lock is refused, not followed
-        fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{LOCK} is not a plain file")
+    try:  # as a save's files are opened: a link, a hard link or a FIFO planted as .lock is refused, not written
+        top = os.open(root, FOLDER)
+        try:
+            fd, why = open_checked(LOCK, stat.S_ISREG, top, CHECKED | os.O_RDWR | os.O_CREAT)
+        finally:
+            os.close(top)
+        if why:
+            raise OSError(f"{LOCK} is refused: {why}")
     except OSError as e:
         fail(f"cannot lock checkpoint folder {root} ({e})", "remove what is there, or pass another --checkpoint")
     try:
@@ -1117,44 +1331,115 @@ def lock_checkpoint_folder(root):
 def save_folder(root, step, committed):
     """The folder of the save at `step`, never the one the pointer names (`committed`): a resumed run
     that saves at its first step writes beside it, and the save that counts is deleted only once a newer
-    one is committed. Rank 0 removes a folder of that name a killed save left; a link planted there is
-    refused: the save would write wherever it points."""
+    one is committed. Rank 0 removes a folder of that name a killed save left (a link planted there is
+    refused: the save would write wherever it points) and makes it anew."""
     name, n = f"step-{step:08d}", 0
     while name == committed:
         n, name = n + 1, f"step-{step:08d}-{n + 1}"
     path = os.path.join(root, name)
-    if int(os.environ.get("RANK", "0")) == 0 and os.path.lexists(path):
-        if os.path.islink(path) or not os.path.isdir(path):
-            fail(f"{path} is a link or a file, where this save would write its folder", "remove it and resume")
-        shutil.rmtree(path)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if os.path.lexists(path) and not remove_save(root, name):
+            fail(f"{path} is a link or a file, or a folder this run does not delete (a mount, or a folder in it), "
+                 "where this save would write its folder", "remove it and resume")
+        try:
+            os.mkdir(path)  # here, so that every rank opens it before writing (save_tensors)
+        except OSError as e:
+            fail(f"cannot make {path} ({e.strerror}); {POINTER} still names the previous save",
+                 "free space on the disk or make the folder writable, then resume")
     return name
+
+
+def remove_save(root, name):
+    """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
+    is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
+    whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
+    try:
+        top = os.open(root, FOLDER)
+        try:
+            fd, _ = open_checked(name, stat.S_ISDIR, top)
+            if fd is None:
+                return False
+            try:
+                for entry in os.listdir(fd):
+                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
+                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
+            return True
+        finally:
+            os.close(top)
+    except OSError:
+        return False
 
 
 def commit_checkpoint(root, folder, state):
     """Rank 0, once every rank's shards and the .metadata are on disk: flush the folder, point latest.json
-    at it, atomically and flushed (the save counts from here), then delete the saves before it."""
-    fd = os.open(os.path.join(root, folder), os.O_RDONLY)
+    at it, atomically and flushed (the save counts from here), then delete the saves before it. A pointer
+    that cannot be written (a full disk, a read-only folder) is one error line: the previous one is kept."""
+    with SaveFolder(root, folder) as save:  # still our folder, not a link or a FIFO put in its place
+        os.fsync(save.fd)  # the folder's entries (DCP flushed the files themselves)
     try:
-        os.fsync(fd)  # the folder's entries (DCP flushed the files themselves)
-    finally:
-        os.close(fd)
-    write_json(os.path.join(root, POINTER), {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID"),
-                                             "world_size": dist.get_world_size()})
+        write_json(os.path.join(root, POINTER), {**state, "folder": folder,
+                                                 "job": os.environ.get("TORCHELASTIC_RUN_ID")})
+    except OSError as e:
+        remove_save(root, folder)  # the space it holds: the disk may be full
+        fail(f"cannot write {os.path.join(root, POINTER)} ({e.strerror or e}); the save there is still {POINTER}'s "
+             "previous one", "free space on the disk or make the folder writable, then resume")
     for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if SAVE.fullmatch(name) and name != folder and not os.path.islink(path) and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)  # never a link's target: only our own folders
+        if SAVE.fullmatch(name) and name != folder:
+            remove_save(root, name)  # only our own folders: never a link's target or another mount
+
+
+def save_tensors(tensors, root, folder):
+    """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
+    after every rank has written, each file created in the folder's descriptor (SaveFiles). A write that
+    fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
+    (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
+    writer = FileSystemWriter(os.path.join(root, folder))
+    try:
+        with SaveFolder(root, folder) as save:
+            writer.fs = SaveFiles(save)
+            dcp.save(tensors, storage_writer=writer)
+    except (Exception, dcp.CheckpointException) as e:
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            remove_save(root, folder)
+        fail(f"cannot save checkpoint {os.path.join(root, folder)} ({failure_of(e)}); {POINTER} still names "
+             "the previous save", "free space on the disk or make the folder writable, then resume")
+
+
+def failure_of(error):
+    """The line of an exception (DCP's gathers every rank's tracebacks) that says what failed."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()[-150:]
+
+
+def first_non_finite(tensors):
+    """The name of the first tensor of a loaded save (in the state dict's order) holding a NaN or an
+    infinity, on any rank (each looks at its own shards; they agree on the first), or None."""
+    named = list(leaves(tensors))
+    mine = next((i for i, (_, t) in enumerate(named)
+                 if not torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all()), len(named))
+    first = torch.tensor(mine, device=named[0][1].device if named else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    return named[first.item()][0] if first.item() < len(named) else None
+
+
+def leaves(tree, prefix=""):
+    """(dotted name, tensor) of each tensor in nested dicts, in order."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
 
 
 def describe_checkpoint_folder(root):
     """What a stopped run leaves in the checkpoint folder `root`, said as describe_checkpoint says it of a
     file: the save its pointer names. Read leniently: Ctrl-C's line is no place for an error of its own."""
-    pointer = os.path.join(root, POINTER)
     try:
-        if not os.path.isfile(pointer):  # none, or a FIFO that would hang the read
-            return "no checkpoint kept"
-        with open(pointer, encoding="utf-8") as f:
-            state = json.load(f)
+        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT))  # never a FIFO that would hang the line
         path, where = os.path.join(root, str(state["folder"])), where_checkpoint_is(state)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "no checkpoint kept"
@@ -1321,12 +1606,15 @@ class Trainer:
         start = time.perf_counter()
         tensors, groups = self._tensors()
         try:
-            dcp.load(tensors, storage_reader=SafeReader(os.path.join(self.args.checkpoint, state["folder"])))
+            with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
+                dcp.load(tensors, storage_reader=SafeReader(save))
         except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            why = next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()
-            fail(f"cannot read checkpoint {self.args.checkpoint} ({why[-150:]})",
+            fail(f"cannot read checkpoint {self.args.checkpoint} ({failure_of(e)})",
                  "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+        name = first_non_finite(tensors)
+        if name:
+            fail(f"checkpoint {self.args.checkpoint} holds a NaN or an infinity in {name[:120]}",
+                 "resume from a save made before the run diverged, or delete it to start afresh")
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
         self.load_s = time.perf_counter() - start
@@ -1341,14 +1629,13 @@ class Trainer:
         root = self.args.checkpoint
         folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
         dist.barrier()
-        # each rank writes its own shards; rank 0 then writes .metadata, after every rank has written
-        dcp.save(self._tensors()[0], storage_writer=FileSystemWriter(os.path.join(root, folder)))
+        save_tensors(self._tensors()[0], root, folder)
         if dist.get_rank() == 0:
             commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
                                              "epoch": epoch + 1 if finished else epoch, "step": self.step,
                                              "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                                              "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                                             "schedule": self.schedule})
+                                             "schedule": self.schedule, "world_size": dist.get_world_size()})
         self.committed = folder
         dist.barrier()  # nobody reads the checkpoint before it is complete
         self.save_s.append(time.perf_counter() - start)
