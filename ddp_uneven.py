@@ -965,7 +965,7 @@ def read_checked(path, tensors=True):
         raise ValueError("a symbolic link, which is not followed: pass the file itself") if e.errno == errno.ELOOP else e
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
             raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
         if tensors:
             with open(fd, "rb", closefd=False) as f:
@@ -1092,27 +1092,32 @@ def check_pickle(data, object_keys=False):
     limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
     for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
         floor = marks[-1] if marks else 0
-        if op.name == "FRAME" and arg > len(data) - at:
-            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
         if op.name == "MARK":
             marks.append(len(stack))
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(memo) if op.name == "MEMOIZE" else arg
-            if len(stack) <= floor or index > len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
-            memo[index:index + 1] = [stack[-1]]
         elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
             if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
                 raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
             stack.append(stack[-1] if op.name == "DUP" else memo[arg])
             stack[-1][3] = True  # referenced: its weight is final
+        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
+            text = arg if isinstance(arg, str) else None
+            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
+                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
+            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            index = len(memo) if op.name == "MEMOIZE" else arg
+            if len(stack) <= floor or index > len(memo):
+                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
+            memo[index:index + 1] = [stack[-1]]
+        elif op.name == "FRAME" and arg > len(data) - at:
+            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
         elif op.name == "POP" and len(stack) == floor and marks:
             marks.pop()
-        elif (made := folded(op, arg, at, taken_off(op, at, stack, marks), object_keys)) is not None:
+        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
+            if made[0] > limit or made[1] > 100:
+                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
+                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
             stack.append(made)
-        if stack and (stack[-1][0] > limit or stack[-1][1] > 100):
-            raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
-                             f"expanded) or nested over 100 deep, from {len(data)} bytes")
 
 
 def taken_off(op, at, stack, marks):
@@ -1129,13 +1134,13 @@ def taken_off(op, at, stack, marks):
     return taken
 
 
-def folded(op, arg, at, taken, object_keys):
+def folded(op, at, taken, object_keys):
     """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
     took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
     fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
     parts = taken[1:] if fills else taken
     pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
-    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else []
+    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
     if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
                                        for k in keys):
         raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
@@ -1144,19 +1149,16 @@ def folded(op, arg, at, taken, object_keys):
     if op.name == "REDUCE" and taken[0][4] in ("collections OrderedDict", "builtins dict", "builtins set",
                                                "builtins frozenset", "collections defaultdict") and taken[1][0] > 1:
         raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
+    weight, depth = 0, 0
     for cell in parts:
-        cell[3] = True
-    weight, depth = sum(cell[0] for cell in parts), max([cell[1] + 1 for cell in parts], default=0)
+        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
     if fills:
         taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
         return taken[0]
     if not op.stack_after:
         return None
-    text = f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else arg if isinstance(arg, str) else None
-    kind = "str" if "UNICODE" in op.name or "STRING" in op.name else "object" if op.name in (
-        "REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "int" if type(arg) is int and -2 ** 31 < arg < 2 ** 31 \
-        and op.name in ("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4") else "other"
-    return [1 + weight + (len(arg) // 64 if isinstance(arg, (str, bytes)) else 0), depth, kind, False, text]
+    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
+    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
 
 
 def check_weights(path, state, model):
