@@ -1192,13 +1192,18 @@ def check_weights(path, state, model):
 def check_optimizer_state(path, saved, optimizer):
     """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
     line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
-    (a segfault): its groups name exactly our parameters and hold our settings' types, every per-parameter
-    tensor is a plain, contiguous CPU tensor of its parameter's shape and a floating dtype, `step` a 0-dim one
-    (as torch and Muon write it) in [0, 2^48). ZeroRedundancyOptimizer's consolidated state alike."""
-    ours = optimizer.state_dict()["param_groups"]  # the ids torch gives our parameters, in order
-    params = {i: p for group, mine in zip(optimizer.param_groups, ours) for i, p in zip(mine["params"], group["params"])}
+    (a segfault): its groups name exactly our parameters (the ids torch gives them, in order) and hold our
+    settings' types; each parameter's state is empty (never stepped) or holds the keys a step leaves
+    (state_keys), each a plain, contiguous CPU tensor of its parameter's shape and a floating dtype, `step`
+    a 0-dim one (as torch and Muon write it) in [0, 2^48). ZeroRedundancyOptimizer's consolidated state alike."""
+    ours, params, keys = [], {}, {}
+    for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
+        ids = range(len(params), len(params) + len(group["params"]))
+        expected = state_keys(optimizer, group) if group["params"] else set()
+        params.update(zip(ids, group["params"]))
+        keys.update(dict.fromkeys(ids, expected))
+        ours.append({**group, "params": list(ids)})
     groups, state = saved.get("param_groups"), saved.get("state")
-    why = None
     if type(groups) is not list or type(state) is not dict or len(groups) != len(ours):
         why = f"{len(groups) if type(groups) is list else 'no'} parameter groups, this optimizer has {len(ours)}"
     elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine)
@@ -1206,10 +1211,20 @@ def check_optimizer_state(path, saved, optimizer):
         why = "parameter groups that name other parameters, or settings of another type"
     else:
         why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
-                    if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None))), None)
+                    if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
     if why:
         fail(f"{path} holds an optimizer state that is not this optimizer's ({why})",
              "resume with the optimizer and model that wrote it, or delete it to start afresh", every_node=True)
+
+
+def state_keys(optimizer, group):
+    """The keys a step leaves in a parameter's state in `group`: the optimizer's class (ZeRO: the one it
+    wraps) stepped once, with the group's settings, on a scratch copy of the group's first parameter."""
+    probe = torch.zeros_like(group["params"][0], requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    scratch = type(getattr(optimizer, "optim", optimizer))([{**group, "params": [probe]}], lr=group["lr"])
+    scratch.step()
+    return set(scratch.state[probe])
 
 
 def same_settings(saved, ours):
@@ -1222,10 +1237,12 @@ def same_settings(saved, ours):
     return all(kind(saved[k]) == kind(v) for k, v in ours.items() if k != "params" and k in saved)
 
 
-def wrong_state(entry, param):
+def wrong_state(entry, param, keys):
     """Why a parameter's saved state cannot be loaded into its optimizer for `param`, or None."""
     if param is None or type(entry) is not dict:
         return "for no parameter of this optimizer"
+    if entry and set(entry) != keys:
+        return f"holds {sorted(map(str, entry))[:4]}, a step of this optimizer {sorted(keys)}"
     for key, value in entry.items():
         plain = type(value) is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided \
             and value.is_contiguous() and value.is_floating_point()

@@ -880,29 +880,50 @@ def outside_files(root):
 
 @pytest.mark.timeout(600)
 def test_fuzz_the_readers_in_process(ck, capsys):
-    """COUNT mutations each of .metadata, latest.json and a harness checkpoint file, seeded (SEED): each
-    loads or is one error line within 10 s, and nothing outside the checkpoint folder changes."""
+    """COUNT mutations each of .metadata, latest.json, a harness checkpoint file and (re-zipped, so the
+    mutations reach the pickle bound and the state checks) that file's data.pkl, seeded (SEED): each loads
+    (and the optimizer steps on what it loaded) or is one error line within 10 s, and nothing outside the
+    checkpoint folder changes."""
     rng, outcomes = random.Random(SEED), {}
     single = ck.parent / "single.pt"
-    torch.save({"model": torch.nn.Linear(3, 2).state_dict(), "optimizer": {}, "epochs_run": 1}, single)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epochs_run": 1}
+    torch.save(saved, single)
+    with zipfile.ZipFile(single) as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
     originals = {name: path.read_bytes() for name, path in
                  (("metadata", metadata_path(ck)), ("pointer", ck / "latest.json"), ("single", single))}
+    originals["pickle"] = pickled
     calls = {"metadata": lambda: fsdp.read_metadata(str(ck / "step-00000004")),
-             "pointer": lambda: fsdp.read_pointer(str(ck)),
-             "single": lambda: ddp_gpus.load_checkpoint(str(single), ("model", "optimizer", "epochs_run"),
-                                                        torch.nn.Linear(3, 2))}
-    paths = {"metadata": metadata_path(ck), "pointer": ck / "latest.json", "single": single}
+             "pointer": lambda: fsdp.read_pointer(str(ck)), "single": lambda: resume_single(single, model),
+             "pickle": lambda: resume_single(single, model)}
+    writers = {"metadata": metadata_path(ck).write_bytes, "pointer": (ck / "latest.json").write_bytes,
+               "single": single.write_bytes, "pickle": lambda data: pt_with_pickle(single, data, saved)}
     before = outside_files(ck.parent)
     for name in originals:
         for i in range(COUNT):
-            paths[name].write_bytes(mutate(originals[name], rng))
+            writers[name](mutate(originals[name], rng))
             start = time.monotonic()
             outcome = loads_or_one_line(calls[name], capsys)
             assert time.monotonic() - start < 10, (name, i)
             outcomes[(name, outcome)] = outcomes.get((name, outcome), 0) + 1
-        paths[name].write_bytes(originals[name])
+        writers[name](originals[name])
     assert outside_files(ck.parent) == before
     assert all(outcomes.get((name, "refused")) for name in originals), outcomes
+
+
+def resume_single(path, model):
+    """What ddp_gpus_torchrun's --resume does with its snapshot (and its Ctrl-C line), then one step."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    ddp_gpus.describe_checkpoint(str(path))
+    state = ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model)
+    ddp_gpus_torchrun.check_optimizer_state(str(path), state["optimizer"], optimizer)
+    optimizer.load_state_dict(state["optimizer"])
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
 
 
 # ---------------------------------------------------------------- slow: through real launches
