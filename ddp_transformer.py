@@ -835,8 +835,7 @@ def read_checkpoint(args, corpus):
              " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
              "to start afresh")
     windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
-    # a step trains at most the epoch: a larger global batch is micro-batches of nothing (65,536 windows a
-    # step on a 178-window text ran its first step past 120 s)
+    # a step trains at most the epoch: beyond it, micro-batches of nothing (65,536 on 178 windows: 120 s a step)
     ranges = {"epoch": (0, 2 ** 48), "step": (0, 2 ** 48), "windows_in_epoch": (0, windows - 1),
               "global_batch": (1, windows), "world_size": (1, 2 ** 24)}
     bad = [k for k, (low, high) in ranges.items() if type(state[k]) is not int or not low <= state[k] <= high]

@@ -835,6 +835,38 @@ def test_a_full_disk_or_read_only_folder_at_save_is_one_line_and_the_previous_ke
 
 
 
+def shrunk_exp_avg(path):
+    """The checkpoint at `path` with every parameter's `exp_avg` cut to shape [1], as torch.save writes it."""
+    state = torch.load(path, weights_only=True)
+    for entry in state["optimizer"]["state"].values():
+        entry["exp_avg"] = torch.zeros(1)
+    torch.save(state, path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_optimizer_state_of_another_shape_through_real_launches(tmp_path):
+    """`exp_avg` of shape [1]: ddp_transformer --resume exited 139 with nothing said (the fused CPU AdamW
+    wrote past it), ddp_main --resume and ddp_uneven --zero --resume (ZeRO's consolidated state) gave
+    tracebacks. Each is one error line now, and no traceback."""
+    (tmp_path / "text.txt").write_text(TEXT)
+    torchrun_2 = [*torchrun_cmd(), "--standalone", "--nproc-per-node=2"]
+    runs = [([sys.executable, ROOT / "ddp_transformer.py", *TINY, "--data", "text.txt", "--checkpoint", "t.pt"],
+             ["--max_steps", "2"], ["--max_steps", "4", "--resume"]),
+            ([sys.executable, ROOT / "ddp_main.py", "--device", "cpu", "--nprocs", "2", "--dataset", "synthetic",
+              "--checkpoint", "m.pt"], ["-e", "1"], ["-e", "2", "--resume"]),
+            ([*torchrun_2, ROOT / "ddp_uneven.py", "--device", "cpu", "--zero", "--checkpoint", "u.pt"], ["-e", "1"],
+             ["-e", "2", "--resume"])]
+    for command, first, then in runs:
+        run_bounded([*command, *first], tmp_path, timeout=240)
+        shrunk_exp_avg(tmp_path / command[command.index("--checkpoint") + 1])
+        result = run_bounded([*command, *then], tmp_path, timeout=240, check=False)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode in (1, 2) and len(errors) == 1 and "optimizer state" in errors[0], str(result)
+        launcher = 1 if "ChildFailedError" in result.stderr else 0  # torchrun's own, for the worker that exited 2
+        assert result.stderr.count("Traceback (most recent call last)") == launcher, str(result)
+
+
 # ---------------------------------------------------------------- fuzz: seeded mutations of the three files
 SEED, COUNT = 30, 300
 
