@@ -1352,7 +1352,7 @@ def read_checked(path, tensors=True):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
-        raise ValueError("a symbolic link, which is not followed: pass the file itself") if e.errno == errno.ELOOP else e
+        raise ValueError("a symbolic link, not followed: pass the file itself") if e.errno == errno.ELOOP else e
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
@@ -1402,8 +1402,8 @@ def archive_entries(read, size):
     edge, locator = size - 22, read(size - 42, 20) if size >= 98 else b""
     if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
         record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
-        sig, length, _, _, disk, cd_disk, *wide = struct.unpack("<4sQHHIIQQQQ", read(size - 98, 56))
-        if (sig, length, record_at, record_disk, disks) != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
+        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", read(size - 98, 56))
+        if (sig, length, record_at, record_disk + disk64 + cd_disk64, disks) != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
                 short not in (full, value) for short, full, value in
                 zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
             raise ValueError("its zip64 end record disagrees with its end record")
@@ -1461,14 +1461,14 @@ def tile(read, entries, cd_at):
         offset = start + length
         if flags & 8:  # a data descriptor after the bytes: their crc and the sizes again
             descriptor = read(offset, 24)
-            short = descriptor[:4] == b"PK\x07\x08" and descriptor[8:16] == struct.pack("<II", length, length)
-            if not short and not (descriptor[:4] == b"PK\x07\x08" and descriptor[8:] == struct.pack("<QQ", length, length)):
+            short = descriptor[8:16] == struct.pack("<II", length, length)  # else zip64's, of 8-byte sizes
+            if descriptor[:4] != b"PK\x07\x08" or not short and descriptor[8:] != struct.pack("<QQ", length, length):
                 raise ValueError("a zip entry's data descriptor disagrees with its central directory")
             offset += 16 if short else 24
-        found[name.decode("ascii")] = (start, length)
+        found[name.decode()] = (start, length)
     if offset != cd_at:
         raise ValueError("bytes lie between its zip entries and its central directory")
-    return {name.decode("ascii"): found[name.decode("ascii")] for name in entries}  # in the directory's order
+    return {name.decode(): found[name.decode()] for name in entries}  # in the directory's order
 
 
 def check_pickle(data, object_keys=False):
@@ -1536,8 +1536,9 @@ def folded(op, at, taken, object_keys):
         raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
     if fills and taken[0][3]:
         raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
-    if op.name == "REDUCE" and taken[0][4] in ("collections OrderedDict", "builtins dict", "builtins set",
-                                               "builtins frozenset", "collections defaultdict") and taken[1][0] > 1:
+    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
+            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict", "builtins set",
+            "builtins frozenset"):
         raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
     weight, depth = 0, 0
     for cell in parts:
@@ -1609,8 +1610,8 @@ def check_optimizer_state(path, saved, optimizer):
 
 def state_keys(optimizer, group):
     """The keys a step leaves in a parameter's state in `group`: the optimizer's class (ZeRO: the one it
-    wraps) stepped once, with the group's settings, on a scratch copy of the group's first parameter."""
-    probe = torch.zeros_like(group["params"][0], requires_grad=True)
+    wraps) stepped once, with the group's settings, on zeros shaped as the group's smallest parameter."""
+    probe = torch.zeros_like(min(group["params"], key=torch.numel), requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     scratch = type(getattr(optimizer, "optim", optimizer))([{**group, "params": [probe]}], lr=group["lr"])
     scratch.step()
