@@ -706,9 +706,12 @@ def write_or_fail(path, write):
     file stays whole): the run cannot save, and a traceback would hide which file and why."""
     try:
         atomic_write(path, write)
-    except OSError as e:
-        fail(f"cannot write {path} ({e.strerror or e})", "free space on its disk or make its folder writable, "
-             "then rerun; the previous file there is kept", every_rank=True)
+    except (OSError, RuntimeError) as e:  # torch.save's writer turns a failed write into a RuntimeError
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        fail(f"cannot write {path} ({cause.strerror or cause})", "free space on its disk or make its folder "
+             "writable, then rerun; the previous file there is kept", every_rank=True)
 
 
 def write_json(path, record):

@@ -814,29 +814,59 @@ def test_a_global_batch_beyond_the_text_is_refused(tmp_path, capsys, monkeypatch
         refused(lambda: ddp_transformer.read_checkpoint(args, corpus), capsys, "global_batch")
 
 
-@pytest.mark.parametrize("where", ["open", "fsync"])
+class FilledUp(io.RawIOBase):
+    """A file on a disk with `room` bytes left: then ENOSPC, as write(2) says it."""
+
+    def __init__(self, fd, room=100):
+        super().__init__()
+        self.fd, self.room = fd, room
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return os.write(self.fd, data)
+
+    def fileno(self):
+        return self.fd
+
+    def close(self):
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
+
+@pytest.mark.parametrize("where", ["open", "write", "fsync"])
 def test_a_full_disk_or_read_only_folder_at_save_is_one_line_and_the_previous_kept(tmp_path, capsys, monkeypatch,
                                                                                   where):
-    """ENOSPC at the fsync, EROFS at the open (chmod cannot stop root: the errors are raised here as the
-    kernel would): a traceback before; now one line naming the file and the fix, the previous file whole."""
+    """EROFS at the open, ENOSPC inside torch.save (its writer then raises a RuntimeError "unexpected pos"
+    over it, as on a real full tmpfs) or at the fsync: a traceback before; now one line naming the file and
+    the fix, and the previous file whole. chmod cannot stop root: the errors are raised here as the kernel
+    raises them."""
     monkeypatch.delenv("RANK", raising=False)
     path = tmp_path / "ck.pt"
     ddp_gpus.save_checkpoint({"model": {"w": torch.ones(3)}, "epochs_run": 1}, str(path))
     before = path.read_bytes()
-    code = errno.ENOSPC if where == "fsync" else errno.EROFS
-    real = getattr(os, where)
+    code = errno.EROFS if where == "open" else errno.ENOSPC
 
     def broken(*args, **kwargs):
-        if where == "fsync" or args[1] & os.O_CREAT:
+        if where == "fsync" or where == "open" and args[1] & os.O_CREAT:
             raise OSError(code, os.strerror(code))
         return real(*args, **kwargs)
-    monkeypatch.setattr(os, where, broken)
-    refused(lambda: ddp_gpus.save_checkpoint({"model": {"w": torch.zeros(3)}, "epochs_run": 2}, str(path)), capsys,
+    real = getattr(os, "open" if where == "open" else "fsync")
+    if where == "write":
+        monkeypatch.setattr(ddp_gpus, "open", lambda fd, mode="r", **kwargs: FilledUp(fd), raising=False)
+    else:
+        monkeypatch.setattr(os, "open" if where == "open" else "fsync", broken)
+    refused(lambda: ddp_gpus.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epochs_run": 2}, str(path)), capsys,
             str(path), os.strerror(code), "previous file there is kept")
-    refused(lambda: ddp_gpus.write_json(str(tmp_path / "m.json"), {"a": 1}), capsys, "m.json")
-    monkeypatch.setattr(os, where, real)
+    refused(lambda: ddp_gpus.write_json(str(tmp_path / "m.json"), {"a": 1} if where != "write" else {"a": "x" * 200}),
+            capsys, "m.json")
+    monkeypatch.undo()
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["ck.pt"]
-
 
 
 def shrunk_exp_avg(path):
