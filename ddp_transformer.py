@@ -1928,7 +1928,8 @@ def archive_entries(read, size):
     if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
         record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
         sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", read(size - 98, 56))
-        if (sig, length, record_at, record_disk + disk64 + cd_disk64, disks) != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
+        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
+        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
                 short not in (full, value) for short, full, value in
                 zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
             raise ValueError("its zip64 end record disagrees with its end record")
@@ -2062,8 +2063,8 @@ def folded(op, at, taken, object_keys):
     if fills and taken[0][3]:
         raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
     if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
-            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict", "builtins set",
-            "builtins frozenset"):
+            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
+            "builtins set", "builtins frozenset"):
         raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
     weight, depth = 0, 0
     for cell in parts:
@@ -2108,30 +2109,32 @@ def check_weights(path, state, model):
 def finite_values(tensor):
     """A plain tensor's values, all finite (NaN weights train on and end in a fingerprint of nan), checked in
     a pass bounded by the file: no view claiming more than its storage (stride 0: 10^12 elements from 4 bytes)."""
-    return tensor.layout == torch.strided and not tensor.is_meta and not tensor.is_quantized and \
-        tensor.numel() * tensor.element_size() <= tensor.untyped_storage().nbytes() and bool(torch.isfinite(tensor).all())
+    plain = tensor.layout == torch.strided and not tensor.is_meta and not tensor.is_quantized
+    return plain and tensor.numel() * tensor.element_size() <= tensor.untyped_storage().nbytes() and \
+        bool(torch.isfinite(tensor).all())
 
 
 def check_optimizer_state(path, saved, optimizer):
     """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
     line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
-    (a segfault): its groups name exactly our parameters (the ids torch gives them, in order) and hold our
-    settings' types; each parameter's state is empty (never stepped) or holds the keys a step leaves
-    (state_keys), each a plain, contiguous CPU tensor of its parameter's shape and a floating dtype, `step`
-    a 0-dim one (as torch and Muon write it) in [0, 2^48). ZeroRedundancyOptimizer's consolidated state alike."""
+    (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
+    settings (those __setstate__ does not fill in) of their types; each parameter's state is empty (never
+    stepped) or holds the keys a step leaves (scratch_step), each a plain, contiguous, finite CPU tensor of its
+    parameter's shape and a floating dtype, `step` a 0-dim one (as torch and Muon write it) in [0, 2^48).
+    ZeroRedundancyOptimizer's consolidated state alike."""
     ours, params, keys = [], {}, {}
     for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
         ids = range(len(params), len(params) + len(group["params"]))
-        expected = state_keys(optimizer, group) if group["params"] else set()
+        expected, required = scratch_step(optimizer, group) if group["params"] else (set(), set(group) - {"params"})
         params.update(zip(ids, group["params"]))
         keys.update(dict.fromkeys(ids, expected))
-        ours.append({**group, "params": list(ids)})
+        ours.append(({**group, "params": list(ids)}, required))
     groups, state = saved.get("param_groups"), saved.get("state")
     if type(groups) is not list or type(state) is not dict or len(groups) != len(ours):
         why = f"{len(groups) if type(groups) is list else 'no'} parameter groups, this optimizer has {len(ours)}"
-    elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine)
-             for g, mine in zip(groups, ours)):
-        why = "parameter groups that name other parameters, or settings of another type"
+    elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine, required)
+             for g, (mine, required) in zip(groups, ours)):
+        why = "parameter groups that name other parameters, or lack settings, or hold them of another type"
     else:
         why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
                     if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
@@ -2140,24 +2143,29 @@ def check_optimizer_state(path, saved, optimizer):
              "resume with the optimizer and model that wrote it, or delete it to start afresh", every_node=True)
 
 
-def state_keys(optimizer, group):
-    """The keys a step leaves in a parameter's state in `group`: the optimizer's class (ZeRO: the one it
-    wraps) stepped once, with the group's settings, on zeros shaped as the group's smallest parameter."""
+def scratch_step(optimizer, group):
+    """(The keys a step leaves in a parameter's state in `group`, the settings a saved group must hold): the
+    optimizer's class (ZeRO: the one it wraps) stepped once with the group's settings on zeros shaped as the
+    group's smallest parameter, then given a group of no settings (those its __setstate__ fills in are optional:
+    a checkpoint of an older torch lacks them)."""
     probe = torch.zeros_like(min(group["params"], key=torch.numel), requires_grad=True)
     probe.grad = torch.zeros_like(probe)
     scratch = type(getattr(optimizer, "optim", optimizer))([{**group, "params": [probe]}], lr=group["lr"])
     scratch.step()
-    return set(scratch.state[probe])
+    keys = set(scratch.state[probe])
+    scratch.__setstate__({"state": {}, "param_groups": [{"params": [probe]}]})
+    return keys, set(group) - set(scratch.param_groups[0])
 
 
-def same_settings(saved, ours):
-    """Each setting of a saved group that ours has too is of our setting's type (a number for a number,
-    a tuple of as many numbers for a tuple): a string lr or a 1-tuple of betas fails the step."""
+def same_settings(saved, ours, required):
+    """The saved group holds the `required` settings, and each that ours has too is of our setting's type (a
+    number for a number, a tuple of as many numbers for a tuple): a string lr or a 1-tuple of betas fails the step."""
     def kind(value):
         if type(value) in (int, float):
             return "number" if math.isfinite(value) else "not finite"
         return [kind(v) for v in value] if type(value) is tuple else type(value).__name__
-    return all(kind(saved[k]) == kind(v) for k, v in ours.items() if k != "params" and k in saved)
+    return required <= set(saved) and all(kind(saved[k]) == kind(v) for k, v in ours.items()
+                                          if k != "params" and k in saved)
 
 
 def wrong_state(entry, param, keys):

@@ -751,7 +751,11 @@ def test_an_optimizer_state_is_checked_against_its_optimizer_before_it_sees_it(t
            {**good, "optimizer": {**good["optimizer"], "param_groups": groups[:1]}},
            {**good, "optimizer": {**good["optimizer"], "param_groups": [{**groups[0], "params": [0, 0]}, groups[1]]}},
            {**good, "optimizer": {**good["optimizer"], "param_groups": [{**groups[0], "lr": "0.1"}, groups[1]]}},
-           {**good, "optimizer": {**good["optimizer"], "param_groups": [{**groups[0], "betas": (0.9,)}, groups[1]]}}]
+           {**good, "optimizer": {**good["optimizer"], "param_groups": [{**groups[0], "betas": (0.9,)}, groups[1]]}},
+           {**good, "optimizer": {**good["optimizer"], "param_groups": [  # found by the fuzz: a KeyError at the step
+               {k: v for k, v in groups[0].items() if k != "lr"}, groups[1]]}},
+           {**good, "optimizer": {**good["optimizer"], "state": {**good["optimizer"]["state"], first: {  # the same
+               k: v for k, v in good["optimizer"]["state"][first].items() if k != "exp_avg_sq"}}}}]
     for state in bad:
         torch.save(state, args.checkpoint)
         loaded = ddp_transformer.read_checkpoint(args, corpus)
