@@ -740,6 +740,10 @@ def load_checkpoint(path, keys, model=None):
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
+    valued = next((str(k) for k, v in state.items() if k not in ("model", "optimizer") and holds_tensor(v)), None)
+    if valued:  # where a value belongs, a tensor compares elementwise (10^9 from a 4-byte view), then is no bool
+        fail(f"{path} is not a checkpoint of this script: its {valued[:40]} holds a tensor",
+             "delete it, or point the script at one it wrote", every_node=True)
     counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch", "batch_size",
                                        "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
     if counts:
@@ -748,6 +752,14 @@ def load_checkpoint(path, keys, model=None):
     if "model" in keys:
         check_weights(path, state, model)
     return state
+
+
+def holds_tensor(value):
+    """Whether a tensor lies anywhere in `value` (check_pickle bounded its nesting and its size)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return any(map(holds_tensor, value.values() if isinstance(value, dict) else value
+                   if isinstance(value, (list, tuple)) else ()))
 
 
 def read_checked(path, tensors=True):

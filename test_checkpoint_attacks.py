@@ -843,6 +843,18 @@ class FilledUp(io.RawIOBase):
         super().close()
 
 
+def test_a_tensor_where_a_value_belongs_is_one_line(tmp_path, capsys, monkeypatch):
+    """`text` or a config value as a tensor (10^9 elements viewed from 4 bytes): compared with ours it took
+    gigabytes, then a traceback (a tensor is neither true nor false). Tensors belong in model and optimizer."""
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    args, corpus, good, _ = transformer_checkpoint(tmp_path)
+    huge = torch.zeros(1).expand(10 ** 9)
+    for change in ({"text": huge}, {"config": {**good["config"], "d_model": huge}}, {"epoch_notes": [[huge]]}):
+        torch.save({**good, **change}, args.checkpoint)
+        refused(lambda: ddp_transformer.read_checkpoint(args, corpus), capsys, "holds a tensor")
+
+
 @pytest.mark.parametrize("where", ["open", "write", "fsync"])
 def test_a_full_disk_or_read_only_folder_at_save_is_one_line_and_the_previous_kept(tmp_path, capsys, monkeypatch,
                                                                                   where):
