@@ -181,6 +181,7 @@ def build(device, args):
     start = 0
     if args.resume:
         state = load_checkpoint(args.checkpoint, ("model", "optimizer", "epoch"), module)  # loads the weights
+        check_optimizer_state(args.checkpoint, state["optimizer"], optimizer)  # before the optimizer sees it
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"]
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args))
@@ -394,13 +395,18 @@ def main():
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import contextlib
+import errno
 import gc
+import io
 import json
+import math
 import multiprocessing
+import pickletools
 import re
 import signal
 import socket
 import stat
+import struct
 import threading
 import traceback
 import zipfile
@@ -432,12 +438,20 @@ def fail(what, fix, every_rank=False, every_node=False):
 
 def report_error(line):
     """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
-    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it."""
+    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
+    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    line = shown(line)
     print0(line, sys.stderr, every_rank=True)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
             stamp = str(int(time.time()) - 1)
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def shown(text):
+    """`text` with every character that is not printable (newlines, ESC and the other C0/C1 controls, DEL,
+    Unicode line separators, bidi overrides) written as repr writes it (`\\n`, `\\x1b`): shown, never obeyed."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 # ---- recipe: arguments (needs errors): help that states defaults, and checks before any process starts
@@ -793,7 +807,7 @@ def fingerprint_terms(local, offsets, shape, base, rows=4096):
     return total
 
 
-# ---- recipe: atomic save: a crash mid-write leaves the previous file whole
+# ---- recipe: atomic save (needs errors): a crash mid-write leaves the previous file whole
 def atomic_write(path, write):
     """write(file) into a new file (O_EXCL: no planted link followed), flushed, renamed over `path`, folder flushed."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -815,32 +829,49 @@ def atomic_write(path, write):
             os.remove(tmp)
 
 
+def write_or_fail(path, write):
+    """atomic_write, where a full disk or a read-only folder is one line by the rank that wrote (the previous
+    file stays whole): the run cannot save, and a traceback would hide which file and why."""
+    try:
+        atomic_write(path, write)
+    except (OSError, RuntimeError) as e:  # torch.save's writer turns a failed write into a RuntimeError
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        fail(f"cannot write {path} ({cause.strerror or cause})", "free space on its disk or make its folder "
+             "writable, then rerun; the previous file there is kept", every_rank=True)
+
+
 def write_json(path, record):
-    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+    write_or_fail(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
 def save_checkpoint(state, path):
     """Atomically, stamped with its torchrun job (continue_checkpoint) and world size. On rank 0, then a barrier."""
     stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    atomic_write(path, lambda f: torch.save({**state, **stamp}, f))
+    write_or_fail(path, lambda f: torch.save({**state, **stamp}, f))
 
 
 # ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
 def load_checkpoint(path, keys, model=None):
     """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
-    moves each tensor to its parameter). `keys`: what it must hold; with `model`, loaded into it. One line per machine."""
+    moves each tensor to its parameter); torch.load gets the very bytes read_checked checked. `keys`: what it
+    must hold; with `model`, loaded into it. One line per machine."""
     try:
-        check_archive(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
     except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:100]})",
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
              "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
+    valued = next((str(k) for k, v in state.items() if k not in ("model", "optimizer") and holds_tensor(v)), None)
+    if valued:  # where a value belongs, a tensor compares elementwise (10^9 from a 4-byte view), then is no bool
+        fail(f"{path} is not a checkpoint of this script: its {valued[:40]} holds a tensor",
+             "delete it, or point the script at one it wrote", every_node=True)
     counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch", "batch_size",
                                        "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
     if counts:
@@ -851,20 +882,227 @@ def load_checkpoint(path, keys, model=None):
     return state
 
 
-def check_archive(path):
-    """ValueError unless a plain file (not a FIFO) holding torch.save's zip, no entry compressed (a zip bomb)."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError("not a plain file")
-    with zipfile.ZipFile(path) as archive:
-        entries = archive.infolist()
-    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) or \
-            sum(e.file_size for e in entries) > os.path.getsize(path):
-        raise ValueError("its zip entries are compressed; torch.save stores them")
+def holds_tensor(value):
+    """Whether a tensor lies anywhere in `value` (check_pickle bounded its nesting and its size)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return any(map(holds_tensor, value.values() if isinstance(value, dict) else value
+                   if isinstance(value, (list, tuple)) else ()))
+
+
+def read_checked(path, tensors=True):
+    """The bytes of the torch.save zip at `path` for torch.load, checked by check_archive: read once, from one
+    descriptor opened without following a link or waiting on a FIFO, of a regular file with one link (fstat),
+    so a file swapped in after the check is never read. tensors=False: the archive without its tensors' bytes
+    (each left empty), for torch.load(map_location="meta") to read the counters in bounded memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise ValueError("a symbolic link, not followed: pass the file itself") if e.errno == errno.ELOOP else e
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
+            raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
+        if tensors:
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(info.st_size)
+        else:
+            data = without_tensors(lambda at, n: os.pread(fd, n, at), info.st_size)
+    finally:
+        os.close(fd)
+    check_archive(data)
+    return data
+
+
+def without_tensors(read, size):
+    """The zip of `size` bytes that read(offset, n) gives, rebuilt with its tensors' records (`data/N`) empty."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, (start, length) in archive_entries(read, size).items():
+            archive.writestr(name, b"" if name.rsplit("/", 2)[-2:-1] == ["data"] else read(start, length))
+    return out.getvalue()
+
+
+def check_archive(data):
+    """The data.pkl of torch.save's zip `data`, returned once the zip is the one archive both readers see
+    (archive_entries) and its pickle is bounded (check_pickle); else ValueError."""
+    entries = archive_entries(lambda at, n: data[at:at + n], len(data))
+    prefix = next(iter(entries), "").split("/")[0]  # torch reads the records under the first entry's folder
+    if f"{prefix}/data.pkl" not in entries or not all(name.startswith(f"{prefix}/") for name in entries):
+        raise ValueError("its zip is not torch.save's (no data.pkl, or entries outside its folder)")
+    start, length = entries[f"{prefix}/data.pkl"]
+    pickled = data[start:start + length]
+    check_pickle(pickled)
+    return pickled
+
+
+def archive_entries(read, size):
+    """{name: (offset of its bytes, length)} of the zip of `size` bytes that read(offset, n) gives, as Python's
+    zipfile and torch's reader (which trusts the end record's offsets) both see it, or ValueError: the end
+    record last (no comment), its zip64 twin agreeing, the central directory right before them, and the
+    entries tiling the file from byte 0 up to it, each named once and stored (a deflated one inflates)."""
+    end = read(size - 22, 22) if size >= 22 else b""
+    if len(end) != 22 or end[:4] != b"PK\x05\x06":
+        raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
+    disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
+    edge, locator = size - 22, read(size - 42, 20) if size >= 98 else b""
+    if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
+        record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
+        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", read(size - 98, 56))
+        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
+        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
+                short not in (full, value) for short, full, value in
+                zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
+            raise ValueError("its zip64 end record disagrees with its end record")
+        (here, count, cd_size, cd_at), edge = wide, size - 98
+    if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
+        raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
+    directory, entries, at = read(cd_at, cd_size), {}, 0
+    for _ in range(count):
+        if directory[at:at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
+            raise ValueError("its zip central directory is cut short")
+        flags, method, csize, usize, n, m, k, first_disk, local = struct.unpack("<8xHH8xIIHHHH6xI",
+                                                                                directory[at:at + 46])
+        name, extra = directory[at + 46:at + 46 + n], directory[at + 46 + n:at + 46 + n + m]
+        usize, csize, local = zip64_values(extra, usize, csize, local)
+        if flags & 1 or method or csize != usize or k or first_disk or name in entries or len(name) != n:
+            raise ValueError("its zip entries are compressed, encrypted or named twice; torch.save stores each once")
+        entries[name], at = (local, usize, flags), at + 46 + n + m + k
+    if at != len(directory):
+        raise ValueError("its zip central directory holds more than its entries")
+    return tile(read, entries, cd_at)
+
+
+def zip64_values(extra, *values):
+    """The central directory's saturated values (0xFFFFFFFF), in order, from the entry's one zip64 extra field."""
+    fields, wide = [], b""
+    while extra:
+        tag, length = struct.unpack("<HH", extra[:4]) if len(extra) >= 4 else (None, 0)
+        if tag is None or len(extra) < 4 + length:
+            raise ValueError("a zip entry's extra fields are cut short")
+        fields.append(tag)
+        wide, extra = extra[4:4 + length] if tag == 1 else wide, extra[4 + length:]
+    if fields.count(1) > 1:
+        raise ValueError("a zip entry has two zip64 fields")
+    out = []
+    for value in values:
+        if value == 0xFFFFFFFF:
+            if len(wide) < 8:
+                raise ValueError("a zip entry's zip64 field lacks a size")
+            value, wide = struct.unpack("<Q", wide[:8])[0], wide[8:]
+        out.append(value)
+    return out
+
+
+def tile(read, entries, cd_at):
+    """{name: (start, length)} once the entries' local headers agree with `entries` and tile [0, cd_at)."""
+    offset, found = 0, {}
+    for name, (local, length, flags) in sorted(entries.items(), key=lambda item: item[1][0]):
+        header = read(local, 30)
+        if local != offset or len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise ValueError("its zip entries do not follow one another from its first byte")
+        local_flags, method, n, m = struct.unpack("<2xHH16xHH", header[4:])
+        if (local_flags, method) != (flags, 0) or read(local + 30, n) != name:
+            raise ValueError("a zip entry's local header disagrees with its central directory")
+        start = local + 30 + n + m
+        offset = start + length
+        if flags & 8:  # a data descriptor after the bytes: their crc and the sizes again
+            descriptor = read(offset, 24)
+            short = descriptor[8:16] == struct.pack("<II", length, length)  # else zip64's, of 8-byte sizes
+            if descriptor[:4] != b"PK\x07\x08" or not short and descriptor[8:] != struct.pack("<QQ", length, length):
+                raise ValueError("a zip entry's data descriptor disagrees with its central directory")
+            offset += 16 if short else 24
+        found[name.decode()] = (start, length)
+    if offset != cd_at:
+        raise ValueError("bytes lie between its zip entries and its central directory")
+    return {name.decode(): found[name.decode()] for name in entries}  # in the directory's order
+
+
+def check_pickle(data, object_keys=False):
+    """ValueError unless unpickling `data` (by any unpickler) is work about linear in its size. A dry run of
+    its stack, where each object weighs the nodes it stands for with memo references expanded (a BINGET
+    pushes the weight of what it names: a tuple of two references to the one below, 64 deep, is 2^64 nodes
+    in 335 bytes), against a few nodes a byte; nesting bounded; no object changed once referenced (its weight
+    would be stale); dict keys and set items small and of a kind whose hash no one can collide at scale: str
+    (hashed with a per-process secret), an int of 31 bits (150,000 ints k x (2^61 - 1) share one hash), and
+    with object_keys an object."""
+    limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
+    for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
+        floor = marks[-1] if marks else 0
+        if op.name == "MARK":
+            marks.append(len(stack))
+        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+            if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
+                raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
+            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
+            stack[-1][3] = True  # referenced: its weight is final
+        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
+            text = arg if isinstance(arg, str) else None
+            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
+                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
+            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            index = len(memo) if op.name == "MEMOIZE" else arg
+            if len(stack) <= floor or index > len(memo):
+                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
+            memo[index:index + 1] = [stack[-1]]
+        elif op.name == "FRAME" and arg > len(data) - at:
+            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
+        elif op.name == "POP" and len(stack) == floor and marks:
+            marks.pop()
+        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
+            if made[0] > limit or made[1] > 100:
+                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
+                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
+            stack.append(made)
+
+
+def taken_off(op, at, stack, marks):
+    """The objects `op` takes off the stack, bottom first: down to its mark, with what it needs below that."""
+    names = [s.name for s in op.stack_before]
+    below = names.index("mark") if "mark" in names else len(names)
+    if "mark" in names and not marks:
+        raise ValueError(f"its pickle's {op.name} at byte {at} has no mark")
+    start = (marks.pop() if "mark" in names else len(stack)) - below
+    if start < (marks[-1] if marks else 0):
+        raise ValueError(f"its pickle's {op.name} at byte {at} finds too few objects")
+    taken = stack[start:]
+    del stack[start:]
+    return taken
+
+
+def folded(op, at, taken, object_keys):
+    """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
+    took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
+    fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
+    parts = taken[1:] if fills else taken
+    pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
+    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
+    if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
+                                       for k in keys):
+        raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
+    if fills and taken[0][3]:
+        raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
+    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
+            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
+            "builtins set", "builtins frozenset"):
+        raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
+    weight, depth = 0, 0
+    for cell in parts:
+        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
+    if fills:
+        taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
+        return taken[0]
+    if not op.stack_after:
+        return None
+    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
+    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
 
 
 def check_weights(path, state, model):
-    """"model" a dict of tensors by name, loaded into `model` if given (load_state_dict's strict check says
-    what differs); "optimizer", if there, an optimizer's state_dict."""
+    """"model" a dict of finite tensors by name (NaN weights would train on and end in a fingerprint of nan),
+    loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
+    an optimizer's state_dict (check_optimizer_state checks it against the optimizer that will load it)."""
     theirs, optimizer = state["model"], state.get("optimizer", {})
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in theirs.items()):
@@ -875,6 +1113,10 @@ def check_weights(path, state, model):
             and isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
         fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
              "delete it, or point the script at one it wrote", every_node=True)
+    bad = next((k for k, v in theirs.items() if not finite_values(v)), None)
+    if bad is not None:
+        fail(f"{path} holds weights that are not finite values: {bad[:80]} (NaN, Inf, or a view past its storage)",
+             "resume from an earlier checkpoint of the run, or delete it to start afresh", every_node=True)
     if model is not None:
         meta = any(p.is_meta for p in model.parameters())  # shapes only: it takes the tensors, nothing to copy into
         try:  # a copy to assign from: load_state_dict leaves assign=True in the dict's _metadata for the next load
@@ -883,6 +1125,87 @@ def check_weights(path, state, model):
             why = re.sub(r"torch\.Size\(\[(.*?)\]\)", r"(\1)", " ".join(str(e).split()[6:]))
             fail(f"{path} is for another model or configuration ({why[:200]})",
                  "delete it, or use the configuration that wrote it", every_node=True)
+
+
+def finite_values(tensor):
+    """A plain tensor's values, all finite (NaN weights train on and end in a fingerprint of nan), checked in
+    a pass bounded by the file: no view claiming more than its storage (stride 0: 10^12 elements from 4 bytes)."""
+    plain = tensor.layout == torch.strided and not tensor.is_meta and not tensor.is_quantized
+    return plain and tensor.numel() * tensor.element_size() <= tensor.untyped_storage().nbytes() and \
+        bool(torch.isfinite(tensor).all())
+
+
+def check_optimizer_state(path, saved, optimizer):
+    """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
+    line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
+    (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
+    settings (those __setstate__ does not fill in) of their types; each parameter's state is empty (never
+    stepped) or holds the keys a step leaves (scratch_step), each a plain, contiguous, finite CPU tensor of its
+    parameter's shape and a floating dtype, `step` a 0-dim one (as torch and Muon write it) in [0, 2^48).
+    ZeroRedundancyOptimizer's consolidated state alike."""
+    ours, params, keys = [], {}, {}
+    for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
+        ids = range(len(params), len(params) + len(group["params"]))
+        expected, required = scratch_step(optimizer, group) if group["params"] else (set(), set(group) - {"params"})
+        params.update(zip(ids, group["params"]))
+        keys.update(dict.fromkeys(ids, expected))
+        ours.append(({**group, "params": list(ids)}, required))
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if type(groups) is not list or type(state) is not dict or len(groups) != len(ours):
+        why = f"{len(groups) if type(groups) is list else 'no'} parameter groups, this optimizer has {len(ours)}"
+    elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine, required)
+             for g, (mine, required) in zip(groups, ours)):
+        why = "parameter groups that name other parameters, or lack settings, or hold them of another type"
+    else:
+        why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
+                    if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
+    if why:
+        fail(f"{path} holds an optimizer state that is not this optimizer's ({why})",
+             "resume with the optimizer and model that wrote it, or delete it to start afresh", every_node=True)
+
+
+def scratch_step(optimizer, group):
+    """(The keys a step leaves in a parameter's state in `group`, the settings a saved group must hold): the
+    optimizer's class (ZeRO: the one it wraps) stepped once with the group's settings on zeros shaped as the
+    group's smallest parameter, then given a group of no settings (those its __setstate__ fills in are optional:
+    a checkpoint of an older torch lacks them)."""
+    probe = torch.zeros_like(min(group["params"], key=torch.numel), requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    scratch = type(getattr(optimizer, "optim", optimizer))([{**group, "params": [probe]}], lr=group["lr"])
+    scratch.step()
+    keys = set(scratch.state[probe])
+    scratch.__setstate__({"state": {}, "param_groups": [{"params": [probe]}]})
+    return keys, set(group) - set(scratch.param_groups[0])
+
+
+def same_settings(saved, ours, required):
+    """The saved group holds the `required` settings, and each that ours has too is of our setting's type (a
+    number for a number, a tuple of as many numbers for a tuple): a string lr or a 1-tuple of betas fails the step."""
+    def kind(value):
+        if type(value) in (int, float):
+            return "number" if math.isfinite(value) else "not finite"
+        return [kind(v) for v in value] if type(value) is tuple else type(value).__name__
+    return required <= set(saved) and all(kind(saved[k]) == kind(v) for k, v in ours.items()
+                                          if k != "params" and k in saved)
+
+
+def wrong_state(entry, param, keys):
+    """Why a parameter's saved state cannot be loaded into its optimizer for `param`, or None."""
+    if param is None or type(entry) is not dict:
+        return "for no parameter of this optimizer"
+    if entry and set(entry) != keys:
+        return f"holds {sorted(map(str, entry))[:4]}, a step of this optimizer {sorted(keys)}"
+    for key, value in entry.items():
+        plain = type(value) is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided \
+            and value.is_contiguous() and value.is_floating_point()
+        if key == "step" and not (plain and value.dim() == 0 and 0 <= value.item() < 2 ** 48):
+            return "has a step that is not a count in a 0-dim float tensor"
+        if key != "step" and not (plain and value.shape == param.shape):
+            return (f"has {str(key)[:20]} of shape {tuple(value.shape)}, its parameter {tuple(param.shape)}"
+                    if isinstance(value, torch.Tensor) else f"has {str(key)[:20]} that is not a tensor")
+        if not torch.isfinite(value).all():
+            return f"has {str(key)[:20]} that is not finite"
+    return None
 
 
 # ---- recipe: resume (needs safe load, errors, printing): continue a checkpoint only when it is ours
@@ -897,8 +1220,7 @@ def continue_checkpoint(path, resume):
         return False
     job, state = os.environ.get("TORCHELASTIC_RUN_ID", "none"), None
     with contextlib.suppress(Exception):  # unreadable, or not a dict: not ours, and not ours to overwrite unasked
-        check_archive(path)  # a FIFO would hang the read; mmap: only the small entries are read
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = peek_checkpoint(path)
     theirs = state.get("job") if isinstance(state, dict) else None
     if resume or (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if job == "none" else theirs == job):
         return True
@@ -911,13 +1233,18 @@ def continue_checkpoint(path, resume):
 
 
 def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept` (mmap: the counter alone is read)."""
+    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept` (peek_checkpoint: the counter alone is read)."""
     with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
-        check_archive(path)
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = peek_checkpoint(path)
         where = where_checkpoint_is(state)
         return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
     return "no checkpoint kept"
+
+
+def peek_checkpoint(path):
+    """The checkpoint's counters and stamps, its tensors left unread (shapes on the meta device): the memory of
+    its small entries, however large the file; read and checked as load_checkpoint's (read_checked)."""
+    return torch.load(io.BytesIO(read_checked(path, tensors=False)), map_location="meta", weights_only=True)
 
 
 def where_checkpoint_is(state):

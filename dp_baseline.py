@@ -477,12 +477,20 @@ def fail(what, fix, every_rank=False, every_node=False):
 
 def report_error(line):
     """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
-    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it."""
+    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
+    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    line = shown(line)
     print0(line, sys.stderr, every_rank=True)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
             stamp = str(int(time.time()) - 1)
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def shown(text):
+    """`text` with every character that is not printable (newlines, ESC and the other C0/C1 controls, DEL,
+    Unicode line separators, bidi overrides) written as repr writes it (`\\n`, `\\x1b`): shown, never obeyed."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 # ---- recipe: arguments (needs errors): help that states defaults, and checks before any process starts
@@ -771,7 +779,7 @@ def fingerprint_terms(local, offsets, shape, base, rows=4096):
     return total
 
 
-# ---- recipe: atomic save: a crash mid-write leaves the previous file whole
+# ---- recipe: atomic save (needs errors): a crash mid-write leaves the previous file whole
 def atomic_write(path, write):
     """write(file) into a new file (O_EXCL: no planted link followed), flushed, renamed over `path`, folder flushed."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -793,8 +801,21 @@ def atomic_write(path, write):
             os.remove(tmp)
 
 
+def write_or_fail(path, write):
+    """atomic_write, where a full disk or a read-only folder is one line by the rank that wrote (the previous
+    file stays whole): the run cannot save, and a traceback would hide which file and why."""
+    try:
+        atomic_write(path, write)
+    except (OSError, RuntimeError) as e:  # torch.save's writer turns a failed write into a RuntimeError
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        fail(f"cannot write {path} ({cause.strerror or cause})", "free space on its disk or make its folder "
+             "writable, then rerun; the previous file there is kept", every_rank=True)
+
+
 def write_json(path, record):
-    atomic_write(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+    write_or_fail(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
 # ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see

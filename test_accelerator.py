@@ -6,7 +6,7 @@ type is checked here on a CPU. What needs the device itself (set_device_index on
 check) is read against torch's source, not run: docs/devices.md's device table says which is which.
 Also here: the checks that must see a hand-made launch's filled-in LOCAL_RANK, a MASTER_PORT in
 TIME_WAIT against one that something listens on, the replica check on a one-process gloo group,
-the signal a spawned process died of, and the checkpoint described with mmap.
+the signal a spawned process died of, and the checkpoint described from its small entries.
 """
 import argparse
 import ast
@@ -375,7 +375,7 @@ def test_the_meta_shape_check_leaves_the_weights_to_be_copied():
     assert torch.equal(real.weight, state["model"]["weight"]) and real.weight.data_ptr() != state["model"]["weight"].data_ptr()
 
 
-def test_checkpoint_is_described_through_mmap(tmp_path):
+def test_checkpoint_is_described_from_its_small_entries(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"model": torch.nn.Linear(64, 64).state_dict(), "epoch": 3}, path)
     assert ddp_gpus.describe_checkpoint(str(path)) == f"checkpoint at epoch 3 kept in {path}"
