@@ -1377,9 +1377,9 @@ def commit_checkpoint(root, folder, state):
     that cannot be written (a full disk, a read-only folder) is one error line: the previous one is kept."""
     with SaveFolder(root, folder) as save:  # still our folder, not a link or a FIFO put in its place
         os.fsync(save.fd)  # the folder's entries (DCP flushed the files themselves)
-    try:
-        write_json(os.path.join(root, POINTER), {**state, "folder": folder,
-                                                 "job": os.environ.get("TORCHELASTIC_RUN_ID")})
+    pointer = {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID")}
+    try:  # atomic_write, not write_json: its failure is this save's, whose folder goes too
+        atomic_write(os.path.join(root, POINTER), lambda f: f.write(json.dumps(pointer, indent=2).encode()))
     except OSError as e:
         remove_save(root, folder)  # the space it holds: the disk may be full
         fail(f"cannot write {os.path.join(root, POINTER)} ({e.strerror or e}); the save there is still {POINTER}'s "
