@@ -731,7 +731,7 @@ def restore_checkpoint(model, optimizer, scaler, train_loader, args, classes):
     if not args.evaluate:  # one line, if the world size changed
         note_world_change(checkpoint, len(train_loader), args.batch_size)
     trained_on = checkpoint["args"].get("dataset")
-    print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {trained_on})"
+    print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {shown(trained_on)})"
            + ("" if trained_on == args.dataset else f" -- NOTE: this run uses {args.dataset}"))
     return checkpoint["epoch"]
 
@@ -761,7 +761,7 @@ def predict(checkpoint, paths):
         for start in range(0, len(images), 256):  # a bounded batch, however many files
             probabilities = model(torch.stack(images[start:start + 256])).softmax(dim=1)
             for path, p in zip(paths[start:], probabilities):
-                print0(f"{path} -> {card['classes'][p.argmax()]} ({p.max():.3f})")
+                print0(f"{path} -> {shown(card['classes'][p.argmax()])} ({p.max():.3f})")  # a file's name: shown
     return 0
 
 

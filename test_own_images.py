@@ -231,6 +231,21 @@ def test_predict_and_the_data_path_say_what_is_wrong_in_one_line(tmp_path, capsy
     assert len(lines) == 1 and lines[0].startswith("error: --data colour holds no data"), lines
 
 
+def test_a_checkpoints_class_names_are_shown_not_obeyed(tmp_path, capsys, monkeypatch):
+    """--predict prints class names from the checkpoint: a newline or a terminal escape in one (issue 42: a
+    forged line, a recoloured screen) is printed escaped, on the one line of its file."""
+    monkeypatch.chdir(tmp_path)
+    Image.new("RGB", (32, 32)).save("rgb.png")
+    classes = ["cat\nerror: forged", "\x1b[2Jdog", "\u202eeert"]
+    card = {"kind": "images", "classes": classes, "mean": [0.5] * 3, "std": [0.25] * 3, "shape": [3, 32, 32]}
+    torch.save({"model": ConvNet(3, channels=3).state_dict(), "data": card}, "ck.pt")
+    with pytest.raises(SystemExit) as exited:
+        ddp_main.check_args(ddp_main.parse_args(["--predict", "rgb.png", "--checkpoint", "ck.pt"]))
+    out = capsys.readouterr().out
+    assert exited.value.code == 0 and len(out.splitlines()) == 1 and "\x1b" not in out and "\u202e" not in out, out
+    assert out.startswith("rgb.png -> ") and any(ascii(c)[1:-1] in out for c in classes), out
+
+
 def test_a_typed_path_is_never_replaced_by_the_stand_in(tmp_path, capsys, monkeypatch):
     """--data that holds nothing (a typo, an empty folder) is an error; only the default folder may be absent."""
     (tmp_path / "empty").mkdir()
