@@ -982,14 +982,15 @@ def finite_values(tensor):
         bool(torch.isfinite(tensor).all())
 
 
-def check_optimizer_state(path, saved, optimizer):
+def check_optimizer_state(path, saved, optimizer, which="this optimizer",
+                          fix="resume with the optimizer and model that wrote it, or delete it to start afresh"):
     """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
     line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
     (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
     settings (those __setstate__ does not fill in) of their types; each parameter's state is empty (never
     stepped) or holds the keys a step leaves (scratch_step), each a plain, contiguous, finite CPU tensor of its
     parameter's shape and a floating dtype, `step` a 0-dim one (as torch and Muon write it) in [0, 2^48).
-    ZeroRedundancyOptimizer's consolidated state alike."""
+    ZeroRedundancyOptimizer's consolidated state alike. `which` names the optimizer in the line, `fix` ends it."""
     ours, params, keys = [], {}, {}
     for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
         ids = range(len(params), len(params) + len(group["params"]))
@@ -1007,8 +1008,7 @@ def check_optimizer_state(path, saved, optimizer):
         why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
                     if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
     if why:
-        fail(f"{path} holds an optimizer state that is not this optimizer's ({why})",
-             "resume with the optimizer and model that wrote it, or delete it to start afresh", every_node=True)
+        fail(f"{path} holds another optimizer's state than {which}'s ({why})", fix, every_node=True)
 
 
 def scratch_step(optimizer, group):

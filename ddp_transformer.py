@@ -976,12 +976,10 @@ class Trainer:
     def _load_checkpoint(self, state):
         self.model.load_state_dict(state["model"])
         ours = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        check_optimizer_state(self.args.checkpoint, state["optimizer"], self.optimizer)  # before the optimizer sees it
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as e:  # another optimizer's groups or state
-            fail(f"{self.args.checkpoint} holds another optimizer's state than --optimizer {self.args.optimizer}'s "
-                 f"({str(e)[:80]})", "pass the --optimizer that wrote it, or delete it to start afresh")
+        check_optimizer_state(self.args.checkpoint, state["optimizer"], self.optimizer,  # before the optimizer sees it
+                              f"--optimizer {self.args.optimizer}", "pass the --optimizer that wrote it, or delete it "
+                              "to start afresh")
+        self.optimizer.load_state_dict(state["optimizer"])
         for group, settings in zip(self.optimizer.param_groups, ours):
             group.update(settings)  # this run's --weight_decay (and lr: the schedule's), not the checkpoint's
         if self.scaler.is_enabled() and not state["scaler"]:
@@ -2133,14 +2131,15 @@ def finite_values(tensor):
         bool(torch.isfinite(tensor).all())
 
 
-def check_optimizer_state(path, saved, optimizer):
+def check_optimizer_state(path, saved, optimizer, which="this optimizer",
+                          fix="resume with the optimizer and model that wrote it, or delete it to start afresh"):
     """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
     line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
     (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
     settings (those __setstate__ does not fill in) of their types; each parameter's state is empty (never
     stepped) or holds the keys a step leaves (scratch_step), each a plain, contiguous, finite CPU tensor of its
     parameter's shape and a floating dtype, `step` a 0-dim one (as torch and Muon write it) in [0, 2^48).
-    ZeroRedundancyOptimizer's consolidated state alike."""
+    ZeroRedundancyOptimizer's consolidated state alike. `which` names the optimizer in the line, `fix` ends it."""
     ours, params, keys = [], {}, {}
     for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
         ids = range(len(params), len(params) + len(group["params"]))
@@ -2158,8 +2157,7 @@ def check_optimizer_state(path, saved, optimizer):
         why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
                     if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
     if why:
-        fail(f"{path} holds an optimizer state that is not this optimizer's ({why})",
-             "resume with the optimizer and model that wrote it, or delete it to start afresh", every_node=True)
+        fail(f"{path} holds another optimizer's state than {which}'s ({why})", fix, every_node=True)
 
 
 def scratch_step(optimizer, group):

@@ -759,7 +759,7 @@ def test_an_optimizer_state_is_checked_against_its_optimizer_before_it_sees_it(t
     for state in bad:
         torch.save(state, args.checkpoint)
         loaded = ddp_transformer.read_checkpoint(args, corpus)
-        refused(lambda: trainer._load_checkpoint(loaded), capsys, "optimizer state", "ck.pt")
+        refused(lambda: trainer._load_checkpoint(loaded), capsys, "another optimizer's state", "ck.pt")
     torch.save(good, args.checkpoint)
     trainer._load_checkpoint(ddp_transformer.read_checkpoint(args, corpus))
     trainer.model(torch.zeros(2, 16, dtype=torch.long)).sum().backward()
@@ -912,7 +912,7 @@ def test_an_optimizer_state_of_another_shape_through_real_launches(tmp_path):
         shrunk_exp_avg(tmp_path / command[command.index("--checkpoint") + 1])
         result = run_bounded([*command, *then], tmp_path, timeout=240, check=False)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        assert result.returncode in (1, 2) and len(errors) == 1 and "optimizer state" in errors[0], str(result)
+        assert result.returncode in (1, 2) and len(errors) == 1 and "another optimizer's state" in errors[0], str(result)
         launcher = 1 if "ChildFailedError" in result.stderr else 0  # torchrun's own, for the worker that exited 2
         assert result.stderr.count("Traceback (most recent call last)") == launcher, str(result)
 
