@@ -863,9 +863,10 @@ def load_checkpoint(path, keys, model=None):
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except Exception as e:  # OSError, a bad zip, struct.error (a few bytes), MemoryError, RecursionError, ...
+    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
-             "it is unreadable or truncated; delete it to start afresh", every_node=True)
+             f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
+             else "it is unreadable or truncated; delete it to start afresh", every_node=True)
     if not isinstance(state, dict) or not set(keys) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
     valued = next((str(k) for k, v in state.items() if k not in ("model", "optimizer") and holds_tensor(v)), None)
@@ -897,8 +898,8 @@ def read_checked(path, tensors=True):
     (each left empty), for torch.load(map_location="meta") to read the counters in bounded memory."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        raise ValueError("a symbolic link, not followed: pass the file itself") if e.errno == errno.ELOOP else e
+    except OSError as e:  # ELOOP: a symbolic link (load_checkpoint says to pass the file it names)
+        raise OSError(errno.ELOOP, "a symbolic link, not followed") if e.errno == errno.ELOOP else e
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
@@ -1135,8 +1136,7 @@ def finite_values(tensor):
         bool(torch.isfinite(tensor).all())
 
 
-def check_optimizer_state(path, saved, optimizer, which="this optimizer",
-                          fix="resume with the optimizer and model that wrote it, or delete it to start afresh"):
+def check_optimizer_state(path, saved, optimizer, which="this optimizer", fix=None):
     """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
     line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
     (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
@@ -1161,7 +1161,8 @@ def check_optimizer_state(path, saved, optimizer, which="this optimizer",
         why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
                     if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
     if why:
-        fail(f"{path} holds another optimizer's state than {which}'s ({why})", fix, every_node=True)
+        fail(f"{path} holds another optimizer's state than {which}'s ({why})", fix or "resume with the optimizer "
+             "and model that wrote it, or delete it to start afresh", every_node=True)
 
 
 def scratch_step(optimizer, group):

@@ -694,7 +694,8 @@ def test_a_pt_file_is_read_once_from_one_descriptor(tmp_path, capsys, monkeypatc
     monkeypatch.undo()
     monkeypatch.delenv("RANK", raising=False)
     os.symlink(path, tmp_path / "link.pt")
-    refused(lambda: ddp_gpus.load_checkpoint(str(tmp_path / "link.pt"), ("model",)), capsys, "symbolic link")
+    refused(lambda: ddp_gpus.load_checkpoint(str(tmp_path / "link.pt"), ("model",)), capsys, "symbolic link",
+            f"(pass the file it links to, {os.path.realpath(path)})")  # not "delete it": it names the user's file
     os.link(path, tmp_path / "hard.pt")
     refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model",)), capsys, "one link")
     assert ddp_gpus.describe_checkpoint(str(path)) == "no checkpoint kept"
