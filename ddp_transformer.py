@@ -1079,7 +1079,7 @@ class Trainer:
         self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
         loss_sum, count, first = torch.zeros((), device=self.device), 0, self.windows_in_epoch // g
         for s, windows, step_windows in epoch_steps(self.sampler, g, first, self.device):
-            # the clock before every step (train() read it before the epoch's first)
+            # the clock before every step but the epoch's first (train() read it at the last epoch's end, or before)
             if self.step >= self.total or s > first and self.out_of_time():
                 break
             micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
@@ -1098,7 +1098,7 @@ class Trainer:
         self.clock = Throughput(flops_per_token(self.model, self.args.block_size), self.peak, self.device,
                                 COMPILE_TIME if self.args.compile else None)
         for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total or self.out_of_time():  # no epoch of no step
+            if self.step >= self.total or epoch == self.epochs_run and self.out_of_time():  # no epoch of no step
                 break
             start, since = time.perf_counter(), self.clock.reading()
             loss, done, windows = self._run_epoch(epoch)
@@ -1106,12 +1106,15 @@ class Trainer:
             history.append(loss)
             self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
             ended = epoch + 1
+            spent = self.out_of_time()  # before the save: a run that ends on the clock saves the seconds that ended it
             self._save_checkpoint(epoch)
             of = f"/{self.epochs}" if self.epochs < sys.maxsize else ""  # none under --time_budget alone
             print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
                    f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
                    f"checkpoint {self.args.checkpoint}")
             self.windows_in_epoch = 0  # the next epoch starts at its beginning
+            if spent:
+                break
         self.clock.stop()
         return history, ended
 
