@@ -441,8 +441,7 @@ def main():
 
 # =============================================================================
 # ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
-# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
-# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import contextlib

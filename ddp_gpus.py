@@ -226,28 +226,19 @@ def main(rank, args):
 
 # =============================================================================
 # ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
-# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
-# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import contextlib
-import errno
 import gc
-import io
 import json
 import logging
-import math
 import multiprocessing
-import pickle
-import pickletools
 import re
 import signal
 import socket
-import stat
-import struct
 import threading
 import traceback
-import zipfile
 import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 
@@ -301,19 +292,6 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         said = "default" in (action.help or "").replace("'s default", "")
         quiet = action.default is None or action.default is False  # `is`: 0 == False, and a default 0 is said
         return action.help if said or quiet else super()._get_help_string(action)
-
-
-def refuse_launcher_flags(argv=None):
-    """mp.spawn's --nprocs, or torchrun's flags after the script's name: one line on how to launch it."""
-    script = os.path.basename(__file__)
-    for arg in map(str, sys.argv[1:] if argv is None else argv):
-        flag = arg.split("=")[0]
-        if flag == "--nprocs":
-            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
-                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
-        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
-            fail(f"{flag} is torchrun's flag, given to {script}",
-                 f"put it before the script's name: torchrun {arg} {script} ...")
 
 
 def check_positive(args, *names):
@@ -408,60 +386,6 @@ def check_port_free(addr, port):
         except OSError:
             fail(f"MASTER_PORT {port} is already in use on {addr}",
                  "unset MASTER_PORT to let the script pick a free port, or choose another")
-
-
-# ---- recipe: restart-safe store (needs errors): init_process_group(store=...) across torchrun's restarts
-def attempt_store(rank, world_size, timeout):
-    """Under torchrun, a namespace of its store for this attempt alone, else None. torchrun (2.5 on) keeps
-    one store across restarts: a restarted rank would read a dead attempt's keys (pytorch#135712). No
-    variable tells attempts apart on every node: the store numbers them. Not all joined in `timeout`: one line."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    deadline = time.monotonic() + timeout
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
-    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
-        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
-            report_error("error: " + (f"{e} did not join this attempt's process group within --timeout {timeout:g} s "
-                                      "(frozen, or not started on its node; raise --timeout if starting takes longer)"
-                                      if isinstance(e, TimeoutError) else
-                                      f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
-                         + (f" [rank {rank}]" if rank else ""))
-        time.sleep(0 if rank <= 1 else 30)  # bounded; torchrun stops the others once rank 1 has exited
-        raise SystemExit(1) from None
-    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
-
-
-def open_attempt(store, world_size, deadline):
-    """Rank 0: open attempt n (an atomic add), answer every request with it until all joined n, else TimeoutError."""
-    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
-    while missing:
-        for r in sorted(missing):
-            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
-            if asked is not None and answered.get(r) != asked:
-                store.set(f"harness/answer/{asked.decode()}", str(attempt))
-                answered[r] = asked
-            if store.check([f"harness/joined/{attempt}/{r}"]):
-                missing.discard(r)
-        if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
-        time.sleep(0.05 if missing else 0)
-    return attempt
-
-
-def join_attempt(store, rank, deadline):
-    """Another rank: ask under a nonce of its own, so it never reads an answer meant for a dead attempt."""
-    nonce = os.urandom(8).hex()
-    store.set(f"harness/ask/{rank}", nonce)
-    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
-        if time.monotonic() > deadline:
-            raise TimeoutError("rank 0")
-        time.sleep(0.05)
-    attempt = int(store.get(f"harness/answer/{nonce}"))
-    store.set(f"harness/joined/{attempt}/{rank}", "1")
-    return attempt
 
 
 # ---- recipe: failures (needs errors, printing): Ctrl-C and a failed collective as one line each
@@ -588,14 +512,6 @@ def roll_call(seconds=0.0):
         return None
 
 
-# ---- recipe: agreement (needs errors): the ranks must hold the same integer
-def check_same_on_every_rank(value, what, fix):
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, int(value))  # on the device the backend carries (nccl: the current GPU)
-    if len(set(every)) > 1:
-        fail(f"the ranks' {what} differ: {every}", fix)
-
-
 # ---- recipe: release: DDP's reducer freed before the process group is destroyed
 def release_ddp():
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
@@ -693,436 +609,11 @@ def write_json(path, record):
     write_or_fail(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
-def save_checkpoint(state, path):
-    """Atomically, stamped with its torchrun job (continue_checkpoint) and world size. On rank 0, then a barrier."""
-    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    write_or_fail(path, lambda f: torch.save({**state, **stamp}, f))
-
-
-# ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
-def load_checkpoint(path, keys, model=None):
-    """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
-    moves each tensor to its parameter); torch.load gets the very bytes read_checked checked. `keys`: what it
-    must hold; with `model`, loaded into it. One line per machine."""
-    try:
-        state = torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
-        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
-             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
-             f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
-             else "it is unreadable or truncated; delete it to start afresh", every_node=True)
-    if not isinstance(state, dict) or not set(keys) <= set(state):
-        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
-    valued = next((str(k) for k, v in state.items() if k not in ("model", "optimizer") and holds_tensor(v)), None)
-    if valued:  # where a value belongs, a tensor compares elementwise (10^9 from a 4-byte view), then is no bool
-        fail(f"{path} is not a checkpoint of this script: its {valued[:40]} holds a tensor",
-             "delete it, or point the script at one it wrote", every_node=True)
-    counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch", "batch_size",
-                                       "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
-    if counts:
-        fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
-             "delete it, or point the script at one it wrote", every_node=True)
-    if "model" in keys:
-        check_weights(path, state, model)
-    return state
-
-
-def holds_tensor(value):
-    """Whether a tensor lies anywhere in `value` (check_pickle bounded its nesting and its size)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    return any(map(holds_tensor, value.values() if isinstance(value, dict) else value
-                   if isinstance(value, (list, tuple)) else ()))
-
-
-def read_checked(path, tensors=True):
-    """The bytes of the torch.save zip at `path` for torch.load, checked by check_archive: read once, from one
-    descriptor opened without following a link or waiting on a FIFO, of a regular file with one link (fstat),
-    so a file swapped in after the check is never read. tensors=False: the archive without its tensors' bytes
-    (each left empty), for torch.load(map_location="meta") to read the counters in bounded memory."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:  # ELOOP: a symbolic link (load_checkpoint says to pass the file it names)
-        raise OSError(errno.ELOOP, "a symbolic link, not followed") if e.errno == errno.ELOOP else e
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
-            raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
-        if tensors:
-            with open(fd, "rb", closefd=False) as f:
-                data = f.read(info.st_size)
-        else:
-            data = without_tensors(lambda at, n: os.pread(fd, n, at), info.st_size)
-    finally:
-        os.close(fd)
-    check_archive(data)
-    return data
-
-
-def without_tensors(read, size):
-    """The zip of `size` bytes that read(offset, n) gives, rebuilt with its tensors' records (`data/N`) empty."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        for name, (start, length) in archive_entries(read, size).items():
-            archive.writestr(name, b"" if name.rsplit("/", 2)[-2:-1] == ["data"] else read(start, length))
-    return out.getvalue()
-
-
-def check_archive(data):
-    """The data.pkl of torch.save's zip `data`, returned once the zip is the one archive both readers see
-    (archive_entries) and its pickle is bounded (check_pickle); else ValueError."""
-    entries = archive_entries(lambda at, n: data[at:at + n], len(data))
-    prefix = next(iter(entries), "").split("/")[0]  # torch reads the records under the first entry's folder
-    if f"{prefix}/data.pkl" not in entries or not all(name.startswith(f"{prefix}/") for name in entries):
-        raise ValueError("its zip is not torch.save's (no data.pkl, or entries outside its folder)")
-    start, length = entries[f"{prefix}/data.pkl"]
-    pickled = data[start:start + length]
-    check_pickle(pickled)
-    return pickled
-
-
-def archive_entries(read, size):
-    """{name: (offset of its bytes, length)} of the zip of `size` bytes that read(offset, n) gives, as Python's
-    zipfile and torch's reader (which trusts the end record's offsets) both see it, or ValueError: the end
-    record last (no comment), its zip64 twin agreeing, the central directory right before them, and the
-    entries tiling the file from byte 0 up to it, each named once and stored (a deflated one inflates)."""
-    end = read(size - 22, 22) if size >= 22 else b""
-    if len(end) != 22 or end[:4] != b"PK\x05\x06":
-        raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
-    disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
-    edge, locator = size - 22, read(size - 42, 20) if size >= 98 else b""
-    if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
-        record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
-        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", read(size - 98, 56))
-        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
-        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
-                short not in (full, value) for short, full, value in
-                zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
-            raise ValueError("its zip64 end record disagrees with its end record")
-        (here, count, cd_size, cd_at), edge = wide, size - 98
-    if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
-        raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
-    directory, entries, at = read(cd_at, cd_size), {}, 0
-    for _ in range(count):
-        if directory[at:at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
-            raise ValueError("its zip central directory is cut short")
-        flags, method, csize, usize, n, m, k, first_disk, local = struct.unpack("<8xHH8xIIHHHH6xI",
-                                                                                directory[at:at + 46])
-        name, extra = directory[at + 46:at + 46 + n], directory[at + 46 + n:at + 46 + n + m]
-        usize, csize, local = zip64_values(extra, usize, csize, local)
-        if flags & 1 or method or csize != usize or k or first_disk or name in entries or len(name) != n:
-            raise ValueError("its zip entries are compressed, encrypted or named twice; torch.save stores each once")
-        entries[name], at = (local, usize, flags), at + 46 + n + m + k
-    if at != len(directory):
-        raise ValueError("its zip central directory holds more than its entries")
-    return tile(read, entries, cd_at)
-
-
-def zip64_values(extra, *values):
-    """The central directory's saturated values (0xFFFFFFFF), in order, from the entry's one zip64 extra field."""
-    fields, wide = [], b""
-    while extra:
-        tag, length = struct.unpack("<HH", extra[:4]) if len(extra) >= 4 else (None, 0)
-        if tag is None or len(extra) < 4 + length:
-            raise ValueError("a zip entry's extra fields are cut short")
-        fields.append(tag)
-        wide, extra = extra[4:4 + length] if tag == 1 else wide, extra[4 + length:]
-    if fields.count(1) > 1:
-        raise ValueError("a zip entry has two zip64 fields")
-    out = []
-    for value in values:
-        if value == 0xFFFFFFFF:
-            if len(wide) < 8:
-                raise ValueError("a zip entry's zip64 field lacks a size")
-            value, wide = struct.unpack("<Q", wide[:8])[0], wide[8:]
-        out.append(value)
-    return out
-
-
-def tile(read, entries, cd_at):
-    """{name: (start, length)} once the entries' local headers agree with `entries` and tile [0, cd_at)."""
-    offset, found = 0, {}
-    for name, (local, length, flags) in sorted(entries.items(), key=lambda item: item[1][0]):
-        header = read(local, 30)
-        if local != offset or len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise ValueError("its zip entries do not follow one another from its first byte")
-        local_flags, method, n, m = struct.unpack("<2xHH16xHH", header[4:])
-        if (local_flags, method) != (flags, 0) or read(local + 30, n) != name:
-            raise ValueError("a zip entry's local header disagrees with its central directory")
-        start = local + 30 + n + m
-        offset = start + length
-        if flags & 8:  # a data descriptor after the bytes: their crc and the sizes again
-            descriptor = read(offset, 24)
-            short = descriptor[8:16] == struct.pack("<II", length, length)  # else zip64's, of 8-byte sizes
-            if descriptor[:4] != b"PK\x07\x08" or not short and descriptor[8:] != struct.pack("<QQ", length, length):
-                raise ValueError("a zip entry's data descriptor disagrees with its central directory")
-            offset += 16 if short else 24
-        found[name.decode()] = (start, length)
-    if offset != cd_at:
-        raise ValueError("bytes lie between its zip entries and its central directory")
-    return {name.decode(): found[name.decode()] for name in entries}  # in the directory's order
-
-
-def check_pickle(data, object_keys=False):
-    """ValueError unless unpickling `data` (by any unpickler) is work about linear in its size. A dry run of
-    its stack, where each object weighs the nodes it stands for with memo references expanded (a BINGET
-    pushes the weight of what it names: a tuple of two references to the one below, 64 deep, is 2^64 nodes
-    in 335 bytes), against a few nodes a byte; nesting bounded; no object changed once referenced (its weight
-    would be stale); dict keys and set items small and of a kind whose hash no one can collide at scale: str
-    (hashed with a per-process secret), an int of 31 bits (150,000 ints k x (2^61 - 1) share one hash), and
-    with object_keys an object."""
-    limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
-    for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
-        floor = marks[-1] if marks else 0
-        if op.name == "MARK":
-            marks.append(len(stack))
-        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
-            if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
-            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
-            stack[-1][3] = True  # referenced: its weight is final
-        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
-            text = arg if isinstance(arg, str) else None
-            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
-                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
-            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(memo) if op.name == "MEMOIZE" else arg
-            if len(stack) <= floor or index > len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
-            memo[index:index + 1] = [stack[-1]]
-        elif op.name == "FRAME" and arg > len(data) - at:
-            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
-        elif op.name == "POP" and len(stack) == floor and marks:
-            marks.pop()
-        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
-            if made[0] > limit or made[1] > 100:
-                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
-                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
-            stack.append(made)
-
-
-def taken_off(op, at, stack, marks):
-    """The objects `op` takes off the stack, bottom first: down to its mark, with what it needs below that."""
-    names = [s.name for s in op.stack_before]
-    below = names.index("mark") if "mark" in names else len(names)
-    if "mark" in names and not marks:
-        raise ValueError(f"its pickle's {op.name} at byte {at} has no mark")
-    start = (marks.pop() if "mark" in names else len(stack)) - below
-    if start < (marks[-1] if marks else 0):
-        raise ValueError(f"its pickle's {op.name} at byte {at} finds too few objects")
-    taken = stack[start:]
-    del stack[start:]
-    return taken
-
-
-def folded(op, at, taken, object_keys):
-    """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
-    took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
-    fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
-    parts = taken[1:] if fills else taken
-    pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
-    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
-    if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
-                                       for k in keys):
-        raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
-    if fills and taken[0][3]:
-        raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
-    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
-            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
-            "builtins set", "builtins frozenset"):
-        raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
-    weight, depth = 0, 0
-    for cell in parts:
-        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
-    if fills:
-        taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
-        return taken[0]
-    if not op.stack_after:
-        return None
-    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
-    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
-
-
-def check_weights(path, state, model):
-    """"model" a dict of finite tensors by name (NaN weights would train on and end in a fingerprint of nan),
-    loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
-    an optimizer's state_dict (check_optimizer_state checks it against the optimizer that will load it)."""
-    theirs, optimizer = state["model"], state.get("optimizer", {})
-    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
-    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in theirs.items()):
-        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
-             "delete it, or point the script at one it wrote", every_node=True)
-    if not isinstance(optimizer, dict) or optimizer and not (
-            isinstance(optimizer.get("state"), dict) and all(isinstance(v, dict) for v in optimizer["state"].values())
-            and isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
-        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
-             "delete it, or point the script at one it wrote", every_node=True)
-    bad = next((k for k, v in theirs.items() if not finite_values(v)), None)
-    if bad is not None:
-        fail(f"{path} holds weights that are not finite values: {bad[:80]} (NaN, Inf, or a view past its storage)",
-             "resume from an earlier checkpoint of the run, or delete it to start afresh", every_node=True)
-    if model is not None:
-        meta = any(p.is_meta for p in model.parameters())  # shapes only: it takes the tensors, nothing to copy into
-        try:  # a copy to assign from: load_state_dict leaves assign=True in the dict's _metadata for the next load
-            model.load_state_dict(dict(theirs) if meta else theirs, assign=meta)
-        except RuntimeError as e:  # its text from the 7th word: "size mismatch for w: copying a param with shape ..."
-            why = re.sub(r"torch\.Size\(\[(.*?)\]\)", r"(\1)", " ".join(str(e).split()[6:]))
-            fail(f"{path} is for another model or configuration ({why[:200]})",
-                 "delete it, or use the configuration that wrote it", every_node=True)
-
-
-def finite_values(tensor):
-    """A plain tensor's values, all finite (NaN weights train on and end in a fingerprint of nan), checked in
-    a pass bounded by the file: no view claiming more than its storage (stride 0: 10^12 elements from 4 bytes)."""
-    plain = tensor.layout == torch.strided and not tensor.is_meta and not tensor.is_quantized
-    return plain and tensor.numel() * tensor.element_size() <= tensor.untyped_storage().nbytes() and \
-        bool(torch.isfinite(tensor).all())
-
-
-def check_optimizer_state(path, saved, optimizer, which="this optimizer", fix=None):
-    """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
-    line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
-    (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
-    settings (those __setstate__ does not fill in) of their types; each parameter's state is empty (never
-    stepped) or holds the keys a step leaves (scratch_step), each a plain, contiguous, finite CPU tensor of its
-    parameter's shape and a floating dtype, `step` a 0-dim one (as torch and Muon write it) in [0, 2^48).
-    ZeroRedundancyOptimizer's consolidated state alike. `which` names the optimizer in the line, `fix` ends it."""
-    ours, params, keys = [], {}, {}
-    for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
-        ids = range(len(params), len(params) + len(group["params"]))
-        expected, required = scratch_step(optimizer, group) if group["params"] else (set(), set(group) - {"params"})
-        params.update(zip(ids, group["params"]))
-        keys.update(dict.fromkeys(ids, expected))
-        ours.append(({**group, "params": list(ids)}, required))
-    groups, state = saved.get("param_groups"), saved.get("state")
-    if type(groups) is not list or type(state) is not dict or len(groups) != len(ours):
-        why = f"{len(groups) if type(groups) is list else 'no'} parameter groups, this optimizer has {len(ours)}"
-    elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine, required)
-             for g, (mine, required) in zip(groups, ours)):
-        why = "parameter groups that name other parameters, or lack settings, or hold them of another type"
-    else:
-        why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
-                    if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
-    if why:
-        fail(f"{path} holds another optimizer's state than {which}'s ({why})", fix or "resume with the optimizer "
-             "and model that wrote it, or delete it to start afresh", every_node=True)
-
-
-def scratch_step(optimizer, group):
-    """(The keys a step leaves in a parameter's state in `group`, the settings a saved group must hold): the
-    optimizer's class (ZeRO: the one it wraps) stepped once with the group's settings on zeros shaped as the
-    group's smallest parameter, then given a group of no settings (those its __setstate__ fills in are optional:
-    a checkpoint of an older torch lacks them)."""
-    probe = torch.zeros_like(min(group["params"], key=torch.numel), requires_grad=True)
-    probe.grad = torch.zeros_like(probe)
-    scratch = type(getattr(optimizer, "optim", optimizer))([{**group, "params": [probe]}], lr=group["lr"])
-    scratch.step()
-    keys = set(scratch.state[probe])
-    scratch.__setstate__({"state": {}, "param_groups": [{"params": [probe]}]})
-    return keys, set(group) - set(scratch.param_groups[0])
-
-
-def same_settings(saved, ours, required):
-    """The saved group holds the `required` settings, and each that ours has too is of our setting's type (a
-    number for a number, a tuple of as many numbers for a tuple): a string lr or a 1-tuple of betas fails the step."""
-    def kind(value):
-        if type(value) in (int, float):
-            return "number" if math.isfinite(value) else "not finite"
-        return [kind(v) for v in value] if type(value) is tuple else type(value).__name__
-    return required <= set(saved) and all(kind(saved[k]) == kind(v) for k, v in ours.items()
-                                          if k != "params" and k in saved)
-
-
-def wrong_state(entry, param, keys):
-    """Why a parameter's saved state cannot be loaded into its optimizer for `param`, or None."""
-    if param is None or type(entry) is not dict:
-        return "for no parameter of this optimizer"
-    if entry and set(entry) != keys:
-        return f"holds {sorted(map(str, entry))[:4]}, a step of this optimizer {sorted(keys)}"
-    for key, value in entry.items():
-        plain = type(value) is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided \
-            and value.is_contiguous() and value.is_floating_point()
-        if key == "step" and not (plain and value.dim() == 0 and 0 <= value.item() < 2 ** 48):
-            return "has a step that is not a count in a 0-dim float tensor"
-        if key != "step" and not (plain and value.shape == param.shape):
-            return (f"has {str(key)[:20]} of shape {tuple(value.shape)}, its parameter {tuple(param.shape)}"
-                    if isinstance(value, torch.Tensor) else f"has {str(key)[:20]} that is not a tensor")
-        if not torch.isfinite(value).all():
-            return f"has {str(key)[:20]} that is not finite"
-    return None
-
-
-# ---- recipe: resume (needs safe load, errors, printing): continue a checkpoint only when it is ours
-def continue_checkpoint(path, resume):
-    """Asked (--resume): yes (none there: one line). Unasked: only this job's own, after torchrun restarted it
-    (a failure, a node joined or left): its --rdzv-id (TORCHELASTIC_RUN_ID) is stamped in (without one, "none",
-    only a restart count can tell). Another file is neither continued nor overwritten: one line says whose."""
-    if not path or not os.path.exists(path):
-        if resume:
-            fail(f"--resume but there is no checkpoint at {path}",
-                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
-        return False
-    job, state = os.environ.get("TORCHELASTIC_RUN_ID", "none"), None
-    with contextlib.suppress(Exception):  # unreadable, or not a dict: not ours, and not ours to overwrite unasked
-        state = peek_checkpoint(path)
-    theirs = state.get("job") if isinstance(state, dict) else None
-    if resume or (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if job == "none" else theirs == job):
-        return True
-    found = "a file that is not a checkpoint this script can read" if not isinstance(state, dict) else (
-        f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
-        + ("a run outside torchrun" if not theirs else "a torchrun job without --rdzv-id" if theirs == "none"
-           else f"torchrun job {theirs}") + f" at world size {state.get('world_size', '?')}")
-    fail(f"{path} holds {found}, not this job's",
-         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
-
-
-def describe_checkpoint(path):
-    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept` (peek_checkpoint: the counter alone is read)."""
-    with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
-        state = peek_checkpoint(path)
-        where = where_checkpoint_is(state)
-        return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
-    return "no checkpoint kept"
-
-
-def peek_checkpoint(path):
-    """The checkpoint's counters and stamps, its tensors left unread (shapes on the meta device): the memory of
-    its small entries, however large the file; read and checked as load_checkpoint's (read_checked)."""
-    return torch.load(io.BytesIO(read_checked(path, tensors=False)), map_location="meta", weights_only=True)
-
-
-def where_checkpoint_is(state):
-    """`step 50` or `epoch 3`: how far the run that wrote `state` got ('' if it does not say)."""
-    return next((f"{unit} {state[key]}" for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch"))
-                 if isinstance(state.get(key), int)), "")
-
-
-def nothing_left(path, unit, reached, flag, target):
-    """True, with one line, when the checkpoint at `unit` `reached` leaves nothing: `flag` ends the run at `target`."""
-    if reached >= target:
-        print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
-               f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
-    return reached >= target
-
-
-def note_world_change(state, steps_per_epoch, batch_size):
-    """One line when a checkpoint of another world size is resumed: what changes and what does not."""
-    then, now = state.get("world_size"), dist.get_world_size()
-    if then is not None and then != now:
-        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
-               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
-               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
-
-
-# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
-def spawn_processes(fn, args, nprocs):
-    """mp.spawn; a rank's bad input (2), Ctrl-C (130), a replica mismatch (1) pass quietly (it said why)."""
+# ---- recipe: spawn (needs printing): the exits of mp.spawn's processes a user should see
+def join_processes(context):
+    """Wait for mp.spawn(..., join=False)'s processes; a rank's bad input (2), Ctrl-C (130), a replica mismatch
+    (1) pass quietly (it said why), a traceback is shown once, a signal is named."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
-    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
     try:
         while not context.join(grace_period=3):
             pass
@@ -1150,4 +641,5 @@ def spawn_processes(fn, args, nprocs):
 if __name__ == "__main__":
     args = check_args(parse_args())
     prepare_rendezvous(args, spawning=True)  # MASTER_ADDR and MASTER_PORT for the children
-    spawn_processes(main, args, args.nprocs)  # mp.spawn: main(rank, args) in each of N processes
+    context = mp.spawn(main, args=(args,), nprocs=args.nprocs, join=False)  # main(rank, args) in each of N processes
+    join_processes(context)  # the harness: a rank's exit as one line

@@ -252,8 +252,7 @@ def main(args):
 
 # =============================================================================
 # ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
-# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
-# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import contextlib
@@ -261,7 +260,6 @@ import errno
 import gc
 import io
 import json
-import logging
 import math
 import multiprocessing
 import pickle
@@ -274,7 +272,6 @@ import struct
 import threading
 import traceback
 import zipfile
-import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -1142,34 +1139,6 @@ def note_world_change(state, steps_per_epoch, batch_size):
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
                f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
                f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
-
-
-# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
-def spawn_processes(fn, args, nprocs):
-    """mp.spawn; a rank's bad input (2), Ctrl-C (130), a replica mismatch (1) pass quietly (it said why)."""
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
-    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
-    try:
-        while not context.join(grace_period=3):
-            pass
-    except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the ranks end themselves
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        deadline = time.monotonic() + 5
-        for process in context.processes:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGINT)  # in case only this parent was signalled
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-        sys.exit(130)
-    except mp.ProcessRaisedException as e:
-        print0(f"error: a process failed\n{e}", sys.stderr, every_rank=True)  # its traceback, once
-        sys.exit(1)
-    except mp.ProcessExitedException as e:
-        if e.exit_code not in (1, 2, 130):
-            print0(f"error: process {e.error_index} " + (f"was ended by {e.signal_name} (exit code {e.exit_code})"
-                   if e.signal_name else f"exited with code {e.exit_code}"), sys.stderr, every_rank=True)
-        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 # ---- end of harness ----
 
 

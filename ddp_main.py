@@ -905,8 +905,7 @@ def main(rank, args):
 
 # =============================================================================
 # ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
-# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
-# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import gc
@@ -974,19 +973,6 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         said = "default" in (action.help or "").replace("'s default", "")
         quiet = action.default is None or action.default is False  # `is`: 0 == False, and a default 0 is said
         return action.help if said or quiet else super()._get_help_string(action)
-
-
-def refuse_launcher_flags(argv=None):
-    """mp.spawn's --nprocs, or torchrun's flags after the script's name: one line on how to launch it."""
-    script = os.path.basename(__file__)
-    for arg in map(str, sys.argv[1:] if argv is None else argv):
-        flag = arg.split("=")[0]
-        if flag == "--nprocs":
-            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
-                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
-        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
-            fail(f"{flag} is torchrun's flag, given to {script}",
-                 f"put it before the script's name: torchrun {arg} {script} ...")
 
 
 def check_positive(args, *names):
@@ -1097,60 +1083,6 @@ def check_port_free(addr, port):
         except OSError:
             fail(f"MASTER_PORT {port} is already in use on {addr}",
                  "unset MASTER_PORT to let the script pick a free port, or choose another")
-
-
-# ---- recipe: restart-safe store (needs errors): init_process_group(store=...) across torchrun's restarts
-def attempt_store(rank, world_size, timeout):
-    """Under torchrun, a namespace of its store for this attempt alone, else None. torchrun (2.5 on) keeps
-    one store across restarts: a restarted rank would read a dead attempt's keys (pytorch#135712). No
-    variable tells attempts apart on every node: the store numbers them. Not all joined in `timeout`: one line."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    deadline = time.monotonic() + timeout
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
-    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
-        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
-            report_error("error: " + (f"{e} did not join this attempt's process group within --timeout {timeout:g} s "
-                                      "(frozen, or not started on its node; raise --timeout if starting takes longer)"
-                                      if isinstance(e, TimeoutError) else
-                                      f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
-                         + (f" [rank {rank}]" if rank else ""))
-        time.sleep(0 if rank <= 1 else 30)  # bounded; torchrun stops the others once rank 1 has exited
-        raise SystemExit(1) from None
-    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
-
-
-def open_attempt(store, world_size, deadline):
-    """Rank 0: open attempt n (an atomic add), answer every request with it until all joined n, else TimeoutError."""
-    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
-    while missing:
-        for r in sorted(missing):
-            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
-            if asked is not None and answered.get(r) != asked:
-                store.set(f"harness/answer/{asked.decode()}", str(attempt))
-                answered[r] = asked
-            if store.check([f"harness/joined/{attempt}/{r}"]):
-                missing.discard(r)
-        if missing and time.monotonic() > deadline:
-            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
-        time.sleep(0.05 if missing else 0)
-    return attempt
-
-
-def join_attempt(store, rank, deadline):
-    """Another rank: ask under a nonce of its own, so it never reads an answer meant for a dead attempt."""
-    nonce = os.urandom(8).hex()
-    store.set(f"harness/ask/{rank}", nonce)
-    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
-        if time.monotonic() > deadline:
-            raise TimeoutError("rank 0")
-        time.sleep(0.05)
-    attempt = int(store.get(f"harness/answer/{nonce}"))
-    store.set(f"harness/joined/{attempt}/{rank}", "1")
-    return attempt
 
 
 # ---- recipe: failures (needs errors, printing): Ctrl-C and a failed collective as one line each
@@ -1807,11 +1739,11 @@ def note_world_change(state, steps_per_epoch, batch_size):
                f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
 
 
-# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
-def spawn_processes(fn, args, nprocs):
-    """mp.spawn; a rank's bad input (2), Ctrl-C (130), a replica mismatch (1) pass quietly (it said why)."""
+# ---- recipe: spawn (needs printing): the exits of mp.spawn's processes a user should see
+def join_processes(context):
+    """Wait for mp.spawn(..., join=False)'s processes; a rank's bad input (2), Ctrl-C (130), a replica mismatch
+    (1) pass quietly (it said why), a traceback is shown once, a signal is named."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
-    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
     try:
         while not context.join(grace_period=3):
             pass
@@ -1839,4 +1771,5 @@ def spawn_processes(fn, args, nprocs):
 if __name__ == "__main__":
     args = check_args(parse_args())
     prepare_rendezvous(args, spawning=True)  # MASTER_ADDR, and a free MASTER_PORT unless one is set
-    spawn_processes(main, args, args.nprocs)
+    context = mp.spawn(main, args=(args,), nprocs=args.nprocs, join=False)  # main(rank, args) in each of N processes
+    join_processes(context)  # the harness: a rank's exit as one line

@@ -370,7 +370,7 @@ def run_processes(fn, args, nprocs):
     """Start `fn` in nprocs processes (mp.spawn) and wait for them; returns the record the first one wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         args.record = os.path.join(tmp, "record.json")
-        spawn_processes(fn, args, nprocs)
+        join_processes(mp.spawn(fn, args=(args,), nprocs=nprocs, join=False))  # fn(rank, args) in each
         with open(args.record) as f:
             return json.load(f)
 
@@ -435,8 +435,7 @@ def run(args):
 
 # =============================================================================
 # ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
-# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
-# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 import contextlib
@@ -818,11 +817,11 @@ def write_json(path, record):
     write_or_fail(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
 
 
-# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
-def spawn_processes(fn, args, nprocs):
-    """mp.spawn; a rank's bad input (2), Ctrl-C (130), a replica mismatch (1) pass quietly (it said why)."""
+# ---- recipe: spawn (needs printing): the exits of mp.spawn's processes a user should see
+def join_processes(context):
+    """Wait for mp.spawn(..., join=False)'s processes; a rank's bad input (2), Ctrl-C (130), a replica mismatch
+    (1) pass quietly (it said why), a traceback is shown once, a signal is named."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
-    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
     try:
         while not context.join(grace_period=3):
             pass

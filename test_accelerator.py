@@ -337,13 +337,12 @@ def test_a_checkpoint_folder_is_described_by_its_pointer(tmp_path):
                                exit_code=3), "exited with code 3", 3)])
 def test_a_spawned_process_killed_by_a_signal_is_named(exited, says, code, monkeypatch, capsys):
     """torch's ProcessExitedException carries the signal's name (torch/multiprocessing/spawn.py): what
-    spawn_processes says of it, given the exception mp.spawn's context raises."""
+    join_processes says of it, given the exception mp.spawn's context raises."""
     class Context:
         def join(self, grace_period=None):
             raise exited
-    monkeypatch.setattr(ddp_gpus.mp, "spawn", lambda *args, **kwargs: Context())
     with pytest.raises(SystemExit) as ended:
-        ddp_gpus.spawn_processes(None, None, 2)
+        ddp_gpus.join_processes(Context())
     assert ended.value.code == code and capsys.readouterr().err.strip() == f"error: process 1 {says}"
 
 
@@ -355,7 +354,7 @@ def _abort(rank, args):
 def test_spawn_names_the_signal_of_a_real_abort(capsys):
     """A real child that aborts (as NCCL's watchdog makes a process do): one line naming SIGABRT."""
     with pytest.raises(SystemExit) as exited:
-        ddp_gpus.spawn_processes(_abort, None, 1)
+        ddp_gpus.join_processes(mp.spawn(_abort, args=(None,), nprocs=1, join=False))
     assert exited.value.code == 1
     assert capsys.readouterr().err.strip() == "error: process 0 was ended by SIGABRT (exit code -6)"
 

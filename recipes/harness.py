@@ -913,11 +913,11 @@ def note_world_change(state, steps_per_epoch, batch_size):
                f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
 
 
-# ---- recipe: spawn (needs printing): mp.spawn with the exits a user should see
-def spawn_processes(fn, args, nprocs):
-    """mp.spawn; a rank's bad input (2), Ctrl-C (130), a replica mismatch (1) pass quietly (it said why)."""
+# ---- recipe: spawn (needs printing): the exits of mp.spawn's processes a user should see
+def join_processes(context):
+    """Wait for mp.spawn(..., join=False)'s processes; a rank's bad input (2), Ctrl-C (130), a replica mismatch
+    (1) pass quietly (it said why), a traceback is shown once, a signal is named."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # its "Terminating process" notes
-    context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)
     try:
         while not context.join(grace_period=3):
             pass

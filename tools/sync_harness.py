@@ -1,10 +1,10 @@
 """Copy into each script the recipes of recipes/harness.py (the reference copy) that it reaches.
 
 A script's harness block runs from the banner `# ---- harness: ...` to `# ---- end of harness ----`
-and holds the definitions that the script's lesson calls, or that its sibling's does (a sibling
-pair carries the same recipes, so their diff shows only the launch), with everything those call in
-turn: each byte for byte as in the reference, in the reference's order, under its recipe's banner,
-with the imports they use that the lesson lacks. test_layout.py checks every block against this.
+and holds the definitions that the script itself calls (its lesson, the part beyond the lesson, its
+entry point), with everything those call in turn, and nothing a sibling needs: each byte for byte as
+in the reference, in the reference's order, under its recipe's banner, with the imports they use
+that the script above lacks. test_layout.py checks every block against this.
 Edit the reference, then run from the repository root:
 
     python3 tools/sync_harness.py                 # every top-level script that has a block
@@ -18,11 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "recipes" / "harness.py"
 START = "# =============================================================================\n# ---- harness:"
 END = "# ---- end of harness ----\n"
-SIBLINGS = [("ddp_gpus.py", "ddp_gpus_torchrun.py"), ("ddp_main.py", "ddp_main_torchrun.py"),
-            ("ddp_transformer.py", "fsdp_transformer.py")]
 HEADER = f"""{START} recipes, each the same wherever it appears; not part of the lesson ----
-# What makes the lesson above robust: the recipes of recipes/harness.py that this file (or its
-# sibling) uses, every definition byte for byte as there (a test compares them). A recipe can be
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
 """
@@ -68,13 +65,9 @@ def reached(names, definitions):
 
 
 def needed(name, definitions):
-    """What the script `name` and its sibling reach from their lessons."""
-    pair = next((p for p in SIBLINGS if name in p), (name,))
-    used = set()
-    for script in pair:
-        lesson, _, entry = split((ROOT / script).read_text())
-        used |= names_in(ast.parse(lesson + entry))
-    return reached(used, definitions)
+    """What the script `name` reaches from its lesson, its part beyond the lesson and its entry point."""
+    lesson, _, entry = split((ROOT / name).read_text())
+    return reached(names_in(ast.parse(lesson + entry)), definitions)
 
 
 def render(name):
