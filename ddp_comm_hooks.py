@@ -223,7 +223,7 @@ def setup(args):
 
 
 def cleanup():
-    release_ddp()  # DDP's reducer goes before the group it talks through
+    free_error_frames()  # DDP's reducer goes before the group it talks through
     dist.destroy_process_group()
 
 
@@ -817,8 +817,8 @@ def check_same_on_every_rank(value, what, fix):
         fail(f"the ranks' {what} differ: {every}", fix)
 
 
-# ---- recipe: release: DDP's reducer freed before the process group is destroyed
-def release_ddp():
+# ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
+def free_error_frames():
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
     a failed run's whole error chain may hold the model."""
     error = sys.exc_info()[1]

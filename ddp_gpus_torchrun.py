@@ -95,7 +95,7 @@ def setup(args):
 
 
 def cleanup():
-    release_ddp()  # DDP's reducer goes before the group it talks through
+    free_error_frames()  # DDP's reducer goes before the group it talks through
     dist.destroy_process_group()
 
 
@@ -206,7 +206,7 @@ def train(device, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     trainer = Trainer(model, loader, optimizer, device, args.save_every, args.snapshot_path, args.resume)
     resumed_from = trainer.epochs_run
-    nothing_left(args.snapshot_path, "epoch", resumed_from, "--epochs", args.epochs)
+    say_if_nothing_left(args.snapshot_path, "epoch", resumed_from, "--epochs", args.epochs)
 
     start = time.perf_counter()
     history = trainer.train(args.epochs)
@@ -619,8 +619,8 @@ def check_same_on_every_rank(value, what, fix):
         fail(f"the ranks' {what} differ: {every}", fix)
 
 
-# ---- recipe: release: DDP's reducer freed before the process group is destroyed
-def release_ddp():
+# ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
+def free_error_frames():
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
     a failed run's whole error chain may hold the model."""
     error = sys.exc_info()[1]
@@ -749,7 +749,7 @@ def load_checkpoint(path, keys, model=None):
         fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
              "delete it, or point the script at one it wrote", every_node=True)
     if "model" in keys:
-        check_weights(path, state, model)
+        check_and_load_weights(path, state, model)
     return state
 
 
@@ -970,7 +970,7 @@ def folded(op, at, taken, object_keys):
     return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
 
 
-def check_weights(path, state, model):
+def check_and_load_weights(path, state, model):
     """"model" a dict of finite tensors by name (NaN weights would train on and end in a fingerprint of nan),
     loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
     an optimizer's state_dict (check_optimizer_state checks it against the optimizer that will load it)."""
@@ -1124,7 +1124,7 @@ def where_checkpoint_is(state):
                  if isinstance(state.get(key), int)), "")
 
 
-def nothing_left(path, unit, reached, flag, target):
+def say_if_nothing_left(path, unit, reached, flag, target):
     """True, with one line, when the checkpoint at `unit` `reached` leaves nothing: `flag` ends the run at `target`."""
     if reached >= target:
         print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "

@@ -320,7 +320,7 @@ def resolve_amp(amp, device):
 
 
 def cleanup():
-    release_ddp()  # DDP's reducer goes before the group it talks through
+    free_error_frames()  # DDP's reducer goes before the group it talks through
     dist.destroy_process_group()
 
 
@@ -862,7 +862,7 @@ def read_checkpoint(args, corpus):
              + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
              "pass the same model sizes as the run that wrote it")
     with torch.device("meta"):  # the shapes only: no memory for weights
-        check_weights(args.checkpoint, state, Transformer(**config))
+        check_and_load_weights(args.checkpoint, state, Transformer(**config))
     return state
 
 
@@ -1258,11 +1258,11 @@ def train(device, args, corpus, checkpoint):
     entropy = unigram_entropy(text) if vocab else None
     describe(trainer, name, entropy)
     by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
-    nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
+    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
                                     else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
     if args.time_budget:
         budget = args.time_budget if args.time_budget % 1 else int(args.time_budget)  # `540`, not `540.0`
-        nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", budget)
+        say_if_nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", budget)
     start = time.perf_counter()
     first_val = trainer.validate()
     trainer.reserve = 2 * (time.perf_counter() - start)  # --time_budget: for the last validation and the sample
@@ -1747,8 +1747,8 @@ def check_same_on_every_rank(value, what, fix):
         fail(f"the ranks' {what} differ: {every}", fix)
 
 
-# ---- recipe: release: DDP's reducer freed before the process group is destroyed
-def release_ddp():
+# ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
+def free_error_frames():
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
     a failed run's whole error chain may hold the model."""
     error = sys.exc_info()[1]
@@ -1877,7 +1877,7 @@ def load_checkpoint(path, keys, model=None):
         fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
              "delete it, or point the script at one it wrote", every_node=True)
     if "model" in keys:
-        check_weights(path, state, model)
+        check_and_load_weights(path, state, model)
     return state
 
 
@@ -2098,7 +2098,7 @@ def folded(op, at, taken, object_keys):
     return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
 
 
-def check_weights(path, state, model):
+def check_and_load_weights(path, state, model):
     """"model" a dict of finite tensors by name (NaN weights would train on and end in a fingerprint of nan),
     loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
     an optimizer's state_dict (check_optimizer_state checks it against the optimizer that will load it)."""
@@ -2252,7 +2252,7 @@ def where_checkpoint_is(state):
                  if isinstance(state.get(key), int)), "")
 
 
-def nothing_left(path, unit, reached, flag, target):
+def say_if_nothing_left(path, unit, reached, flag, target):
     """True, with one line, when the checkpoint at `unit` `reached` leaves nothing: `flag` ends the run at `target`."""
     if reached >= target:
         print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "

@@ -137,7 +137,7 @@ def setup(args):
 
 
 def cleanup():
-    release_ddp()  # DDP's reducer goes before the group it talks through
+    free_error_frames()  # DDP's reducer goes before the group it talks through
     dist.destroy_process_group()
 
 
@@ -358,7 +358,7 @@ def report_reproduction(name, reproduce, initial, batches, device, explanation):
     """One line per reproduction (rank 0), with what each rank's DDP said; --mode bare's is its error line."""
     error, when = reproduce(initial, batches, device)
     said, every = gathered(error)
-    release_ddp()
+    free_error_frames()
     if error is None:
         print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
     else:
@@ -509,7 +509,7 @@ def try_default_sync(initial, loader, device, args):
     except RuntimeError as e:
         error = e
     said, every = gathered(error)
-    release_ddp()
+    free_error_frames()
     flag = next(iter(no_buffer_broadcast()))
     if error:
         print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" '
@@ -611,7 +611,7 @@ def fail_bare(initial, batches, loader, device, args):
     """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
     error, when = reproduce_bare(initial, batches, device)
     said, every = gathered(error)
-    release_ddp()
+    free_error_frames()
     if error is None:  # not with this model; a model whose every parameter takes part gets here
         print0("no error: every rank used every parameter")
         return True
@@ -1006,8 +1006,8 @@ def roll_call(seconds=0.0):
         return None
 
 
-# ---- recipe: release: DDP's reducer freed before the process group is destroyed
-def release_ddp():
+# ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
+def free_error_frames():
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
     a failed run's whole error chain may hold the model."""
     error = sys.exc_info()[1]

@@ -353,7 +353,7 @@ def resolve_amp(amp, device):
 
 
 def cleanup():
-    release_ddp()  # the sharded model's hooks and buffers go before the group they talk through (harness)
+    free_error_frames()  # the sharded model's hooks and buffers go before the group they talk through (harness)
     dist.destroy_process_group()
 
 
@@ -1890,7 +1890,7 @@ def train(device, args, corpus, checkpoint):
     entropy = unigram_entropy(text) if vocab else None
     describe(trainer, name, entropy)
     by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
-    nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
+    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
                                     else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
     first_val = trainer.validate()
     print0(f"validation loss {first_val:.4f} before training")
@@ -2369,8 +2369,8 @@ def check_same_on_every_rank(value, what, fix):
         fail(f"the ranks' {what} differ: {every}", fix)
 
 
-# ---- recipe: release: DDP's reducer freed before the process group is destroyed
-def release_ddp():
+# ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
+def free_error_frames():
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
     a failed run's whole error chain may hold the model."""
     error = sys.exc_info()[1]
@@ -2656,7 +2656,7 @@ def where_checkpoint_is(state):
                  if isinstance(state.get(key), int)), "")
 
 
-def nothing_left(path, unit, reached, flag, target):
+def say_if_nothing_left(path, unit, reached, flag, target):
     """True, with one line, when the checkpoint at `unit` `reached` leaves nothing: `flag` ends the run at `target`."""
     if reached >= target:
         print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 import ddp_comm_hooks
 import ddp_gpus
+import ddp_gpus_torchrun
 import ddp_minimal
 import ddp_transformer
 import ddp_uneven
@@ -275,7 +276,7 @@ def test_a_missing_file_is_said_by_the_first_process_of_its_machine(local_rank, 
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     checks = [lambda: ddp_gpus.check_folders(str(tmp_path / "missing" / "m.json")),
-              lambda: ddp_gpus.load_checkpoint(str(tmp_path / "nothing.pt"), ("model",)),
+              lambda: ddp_gpus_torchrun.load_checkpoint(str(tmp_path / "nothing.pt"), ("model",)),
               lambda: ddp_uneven.check_args(ddp_uneven.parse_args(["--device", "cpu", "--resume", "--checkpoint",
                                                                    str(tmp_path / "nothing.pt")]))]
     for check in checks:
@@ -314,7 +315,7 @@ def test_replica_check_on_a_one_process_group(world_of_one, capsys):
     out = capsys.readouterr().out  # computed a parameter at a time (issue 33): the same sum, to rounding
     assert out.startswith("replicas: in sync (1 rank, fingerprint ") and out.endswith(")\n"), out
     assert float(out.rsplit(" ", 1)[1][:-2]) == pytest.approx(fingerprint, rel=1e-12, abs=1e-12), (out, fingerprint)
-    ddp_gpus.check_same_on_every_rank(3, "epochs", "")  # gloo: gathered on the CPU
+    ddp_gpus_torchrun.check_same_on_every_rank(3, "epochs", "")  # gloo: gathered on the CPU
 
 
 def test_a_checkpoint_folder_is_described_by_its_pointer(tmp_path):
@@ -360,13 +361,13 @@ def test_spawn_names_the_signal_of_a_real_abort(capsys):
 
 
 def test_the_meta_shape_check_leaves_the_weights_to_be_copied():
-    """check_weights on a model on the meta device (ddp_transformer's read_checkpoint) must not leave
+    """check_and_load_weights on a model on the meta device (ddp_transformer's read_checkpoint) must not leave
     load_state_dict's assign=True in the checkpoint's dict (its _metadata): the real model's load would
     then take the checkpoint's tensors as its parameters, and the optimizer would step tensors the model
     no longer holds (a resumed run that trains nothing, caught by the slow elastic tests)."""
     state = {"model": torch.nn.Linear(3, 2).state_dict()}
     with torch.device("meta"):
-        ddp_transformer.check_weights("ck.pt", state, torch.nn.Linear(3, 2))
+        ddp_transformer.check_and_load_weights("ck.pt", state, torch.nn.Linear(3, 2))
     real = torch.nn.Linear(3, 2)
     params = list(real.parameters())
     real.load_state_dict(state["model"])
@@ -377,10 +378,10 @@ def test_the_meta_shape_check_leaves_the_weights_to_be_copied():
 def test_checkpoint_is_described_from_its_small_entries(tmp_path):
     path = tmp_path / "ckpt.pt"
     torch.save({"model": torch.nn.Linear(64, 64).state_dict(), "epoch": 3}, path)
-    assert ddp_gpus.describe_checkpoint(str(path)) == f"checkpoint at epoch 3 kept in {path}"
+    assert ddp_gpus_torchrun.describe_checkpoint(str(path)) == f"checkpoint at epoch 3 kept in {path}"
     path.write_bytes(path.read_bytes()[:100])  # cut short by the interrupt
-    assert ddp_gpus.describe_checkpoint(str(path)) == "no checkpoint kept"
-    assert ddp_gpus.describe_checkpoint(None) == "no checkpoint kept"
+    assert ddp_gpus_torchrun.describe_checkpoint(str(path)) == "no checkpoint kept"
+    assert ddp_gpus_torchrun.describe_checkpoint(None) == "no checkpoint kept"
 
 
 # ---------------------------------------------------------------- torch's API, as far back as requirements.txt claims

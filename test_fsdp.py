@@ -201,7 +201,7 @@ def free_port():
 def _sharded_worker(rank, world, port, out):
     """One rank of an in-process gloo world: the weights at step 0, whole (written by rank 0); at world 2
     also the reduce-scatters of 3 accumulated micro-batches against 3 synced ones, and their gradients.
-    The sharded model is freed before the group is destroyed, as the scripts' release_ddp does: else the
+    The sharded model is freed before the group is destroyed, as the scripts' free_error_frames does: else the
     process could abort at exit (`terminate called without an active exception`, seen once at world 3)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -87,7 +87,7 @@ def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path,
     with --resume, and without it one line names the file, its epoch, the run that wrote it and the ways on."""
     for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
         monkeypatch.delenv(name, raising=False)
-    harness, path = load("ddp_gpus.py"), str(tmp_path / "ck.pt")
+    harness, path = load("ddp_gpus_torchrun.py"), str(tmp_path / "ck.pt")
     assert harness.continue_checkpoint(path, False) is False  # nothing there: a fresh start
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     harness.save_checkpoint({"epochs_run": 3}, path)
@@ -105,10 +105,10 @@ def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path,
     with pytest.raises(SystemExit):
         harness.continue_checkpoint(str(tmp_path / "none.pt"), True)
     assert "--resume but there is no checkpoint at" in capsys.readouterr().err
-    assert harness.nothing_left(path, "epoch", 3, "--epochs", 3) is True
+    assert harness.say_if_nothing_left(path, "epoch", 3, "--epochs", 3) is True
     said = capsys.readouterr().out
     assert said.startswith(f"nothing to train: {path} is at epoch 3 and --epochs 3") and "nan" not in said
-    assert harness.nothing_left(path, "epoch", 3, "--epochs", 4) is False
+    assert harness.say_if_nothing_left(path, "epoch", 3, "--epochs", 4) is False
     assert [harness.plural(1, "process"), harness.plural(2, "process"), harness.plural(1, "rank"),
             harness.plural(8, "window"), harness.plural(2, "micro-batch"), harness.plural(4, "epoch")] == [
         "1 process", "2 processes", "1 rank", "8 windows", "2 micro-batches", "4 epochs"]
@@ -177,7 +177,7 @@ def test_port_your_own_loop_as_the_readme_says(launch, torchrun, metrics, tmp_pa
     assert "nan" not in r.stdout and "error" not in r.stderr, r
 
 
-@pytest.mark.slow  # the default suite checks continue_checkpoint and nothing_left in this process
+@pytest.mark.slow  # the default suite checks continue_checkpoint and say_if_nothing_left in this process
 def test_rerun_is_refused_and_a_finished_resume_trains_nothing(launch, script, metrics, tmp_path):
     """The issue's first hour, through real launches: a rerun finds the first run's snapshot and stops
     with one line; --resume with nothing left says so, and prints no nan and no 0 samples/s."""
