@@ -419,15 +419,15 @@ def test_a_zip_bomb_and_a_fifo_are_refused_unread(tmp_path, capsys, monkeypatch)
     assert bomb.stat().st_size < 1 << 20
     tracemalloc.start()
     try:
-        refused(lambda: ddp_gpus.load_checkpoint(str(bomb), ("model",)), capsys, "compressed")
+        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(bomb), ("model",)), capsys, "compressed")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 16 << 20, peak
     fifo = tmp_path / "fifo.pt"
     os.mkfifo(fifo)
-    refused(lambda: ddp_gpus.load_checkpoint(str(fifo), ("model",)), capsys, "not a plain file")
-    refused(lambda: ddp_gpus.continue_checkpoint(str(fifo), False), capsys, "not a checkpoint")
+    refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(fifo), ("model",)), capsys, "not a plain file")
+    refused(lambda: ddp_gpus_torchrun.continue_checkpoint(str(fifo), False), capsys, "not a checkpoint")
 
 
 def test_every_scripts_model_entry_is_checked(tmp_path, capsys, monkeypatch):
@@ -437,13 +437,13 @@ def test_every_scripts_model_entry_is_checked(tmp_path, capsys, monkeypatch):
     for entry in (5, {"weight": "x", "bias": "y"}, {"weight": torch.zeros(2, 3)}, [1], {"weight": torch.zeros(3, 3),
                                                                                         "bias": torch.zeros(2)}):
         torch.save({"model": entry, "optimizer": {}, "epochs_run": 1}, path)
-        refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
+        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
                 "snap.pt")
     for change in ({"epochs_run": "1"}, {"epochs_run": -1}, {"epochs_run": 1.5}, {"epochs_run": True},
                    {"optimizer": 5}, {"optimizer": {"state": [], "param_groups": {}}},
                    {"optimizer": {"state": {0: 5}, "param_groups": []}}, {"optimizer": {"state": {}, "param_groups": [{}]}}):
         torch.save({"model": model.state_dict(), "optimizer": {}, "epochs_run": 1, **change}, path)
-        refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
+        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model), capsys,
                 "snap.pt")
 
 
@@ -658,7 +658,7 @@ def test_the_zip_torch_reads_is_the_zip_checked(tmp_path, capsys, monkeypatch):
         assert all(e.compress_type == zipfile.ZIP_STORED for e in seen.infolist())
     tracemalloc.start()
     try:
-        refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model", "epochs_run")), capsys, "central directory")
+        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run")), capsys, "central directory")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -667,9 +667,9 @@ def test_the_zip_torch_reads_is_the_zip_checked(tmp_path, capsys, monkeypatch):
         fsdp.check_tensor_record(two_views(good, bomb))
     for tail in (b"\0", b"PK\x05\x06" + b"\0" * 18):  # bytes after the end record; a second end record
         path.write_bytes(good + tail)
-        refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model",)), capsys, "end record")
+        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "end record")
     path.write_bytes(b"\0" * 64 + good)  # bytes before the first entry
-    refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model",)), capsys, "ck.pt")
+    refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "ck.pt")
 
 
 def test_a_pt_file_is_read_once_from_one_descriptor(tmp_path, capsys, monkeypatch):
@@ -690,15 +690,15 @@ def test_a_pt_file_is_read_once_from_one_descriptor(tmp_path, capsys, monkeypatc
         return opened
     monkeypatch.setattr(os, "open", then_swap(os.open))
     monkeypatch.setattr("builtins.open", then_swap(open))
-    assert ddp_gpus.load_checkpoint(str(path), ("model", "epochs_run"))["epochs_run"] == 1 and swapped
+    assert ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run"))["epochs_run"] == 1 and swapped
     monkeypatch.undo()
     monkeypatch.delenv("RANK", raising=False)
     os.symlink(path, tmp_path / "link.pt")
-    refused(lambda: ddp_gpus.load_checkpoint(str(tmp_path / "link.pt"), ("model",)), capsys, "symbolic link",
+    refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(tmp_path / "link.pt"), ("model",)), capsys, "symbolic link",
             f"(pass the file it links to, {os.path.realpath(path)})")  # not "delete it": it names the user's file
     os.link(path, tmp_path / "hard.pt")
-    refused(lambda: ddp_gpus.load_checkpoint(str(path), ("model",)), capsys, "one link")
-    assert ddp_gpus.describe_checkpoint(str(path)) == "no checkpoint kept"
+    refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "one link")
+    assert ddp_gpus_torchrun.describe_checkpoint(str(path)) == "no checkpoint kept"
 
 
 def transformer_checkpoint(tmp_path, optimizer_name="auto"):
@@ -784,7 +784,7 @@ def test_sgd_and_adam_states_of_other_shapes_are_one_line(tmp_path, capsys, monk
         good = optimizer.state_dict()
         key = next(k for k in good["state"][0] if k != "step")
         wrong = {**good, "state": {**good["state"], 0: {**good["state"][0], key: torch.zeros(1)}}}
-        for script in (ddp_main, ddp_gpus):
+        for script in (ddp_main, ddp_gpus_torchrun):
             refused(lambda: script.check_optimizer_state("ck.pt", wrong, optimizer), capsys, key, "(2, 3)")
         ddp_main.check_optimizer_state("ck.pt", good, optimizer)
 
@@ -865,7 +865,7 @@ def test_a_full_disk_or_read_only_folder_at_save_is_one_line_and_the_previous_ke
     raises them."""
     monkeypatch.delenv("RANK", raising=False)
     path = tmp_path / "ck.pt"
-    ddp_gpus.save_checkpoint({"model": {"w": torch.ones(3)}, "epochs_run": 1}, str(path))
+    ddp_gpus_torchrun.save_checkpoint({"model": {"w": torch.ones(3)}, "epochs_run": 1}, str(path))
     before = path.read_bytes()
     code = errno.EROFS if where == "open" else errno.ENOSPC
 
@@ -878,7 +878,7 @@ def test_a_full_disk_or_read_only_folder_at_save_is_one_line_and_the_previous_ke
         monkeypatch.setattr(ddp_gpus, "open", lambda fd, mode="r", **kwargs: FilledUp(fd), raising=False)
     else:
         monkeypatch.setattr(os, "open" if where == "open" else "fsync", broken)
-    refused(lambda: ddp_gpus.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epochs_run": 2}, str(path)), capsys,
+    refused(lambda: ddp_gpus_torchrun.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epochs_run": 2}, str(path)), capsys,
             str(path), os.strerror(code), "previous file there is kept")
     refused(lambda: ddp_gpus.write_json(str(tmp_path / "m.json"), {"a": 1} if where != "write" else {"a": "x" * 200}),
             capsys, "m.json")
@@ -1001,8 +1001,8 @@ def test_fuzz_the_readers_in_process(ck, capsys):
 def resume_single(path, model):
     """What ddp_gpus_torchrun's --resume does with its snapshot (and its Ctrl-C line), then one step."""
     optimizer = torch.optim.AdamW(model.parameters())
-    ddp_gpus.describe_checkpoint(str(path))
-    state = ddp_gpus.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model)
+    ddp_gpus_torchrun.describe_checkpoint(str(path))
+    state = ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "optimizer", "epochs_run"), model)
     ddp_gpus_torchrun.check_optimizer_state(str(path), state["optimizer"], optimizer)
     optimizer.load_state_dict(state["optimizer"])
     model(torch.ones(1, 3)).sum().backward()
