@@ -934,8 +934,8 @@ def save_checkpoint(state, path):
 # ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
 def load_checkpoint(path, keys, model=None):
     """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
-    moves each tensor to its parameter); torch.load gets the very bytes read_checked checked. `keys`: what it
-    must hold; with `model`, loaded into it. One line per machine."""
+    moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from what it checked.
+    `keys`: what it must hold; with `model`, loaded into it. One line per machine."""
     try:
         state = torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -971,10 +971,11 @@ def holds_tensor(value):
 
 
 def read_checked(path, tensors=True):
-    """The bytes of the torch.save zip at `path` for torch.load, checked by check_archive: read once, from one
-    descriptor opened without following a link or waiting on a FIFO, of a regular file with one link (fstat),
-    so a file swapped in after the check is never read. tensors=False: the archive without its tensors' bytes
-    (each left empty), for torch.load(map_location="meta") to read the counters in bounded memory."""
+    """torch.save's zip at `path` for torch.load, written anew by repacked from the entries it checked, so torch
+    reads what was checked: read from one descriptor opened without following a link or waiting on a FIFO, of
+    a regular file with one link (fstat), so a file swapped in after the check is never read. tensors=False:
+    its tensors' records left empty and unread, for torch.load(map_location="meta") to read the counters in
+    bounded memory."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:  # ELOOP: a symbolic link (load_checkpoint says to pass the file it names)
@@ -983,52 +984,54 @@ def read_checked(path, tensors=True):
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
             raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
-        if tensors:
-            with open(fd, "rb", closefd=False) as f:
-                data = f.read(info.st_size)
-        else:
-            data = without_tensors(lambda at, n: os.pread(fd, n, at), info.st_size)
+        with open(fd, "rb", closefd=False) as f:
+            return repacked(f, tensors)[0]
     finally:
         os.close(fd)
-    check_archive(data)
-    return data
 
 
-def without_tensors(read, size):
-    """The zip of `size` bytes that read(offset, n) gives, rebuilt with its tensors' records (`data/N`) empty."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        for name, (start, length) in archive_entries(read, size).items():
-            archive.writestr(name, b"" if name.rsplit("/", 2)[-2:-1] == ["data"] else read(start, length))
-    return out.getvalue()
-
-
-def check_archive(data):
-    """The data.pkl of torch.save's zip `data`, returned once the zip is the one archive both readers see
-    (archive_entries) and its pickle is bounded (check_pickle); else ValueError."""
-    entries = archive_entries(lambda at, n: data[at:at + n], len(data))
-    prefix = next(iter(entries), "").split("/")[0]  # torch reads the records under the first entry's folder
-    if f"{prefix}/data.pkl" not in entries or not all(name.startswith(f"{prefix}/") for name in entries):
-        raise ValueError("its zip is not torch.save's (no data.pkl, or entries outside its folder)")
-    start, length = entries[f"{prefix}/data.pkl"]
-    pickled = data[start:start + length]
+def repacked(f, tensors=True):
+    """(the zip in file `f` written anew from what zipfile read of it, its data.pkl) once it is torch.save's and
+    torch's reader of `f` would read the same: one central directory (central_directory), named as zipfile
+    found it; entries stored (none inflates), not encrypted, adding up to no more than the file, named once
+    (torch looks names up whatever their case) under one folder with a data.pkl, whose pickle is bounded
+    (check_pickle); else ValueError. tensors=False: the tensors' records (`data/N`) left empty, unread."""
+    count, directory_at = central_directory(f)
+    archive = zipfile.ZipFile(f)
+    entries, names = archive.infolist(), archive.namelist()
+    folder = names[0].split("/")[0] + "/" if names else "/"  # torch reads the records under the first entry's folder
+    if any(e.flag_bits & 1 or e.compress_type or e.compress_size != e.file_size for e in entries):
+        raise ValueError("its zip entries are compressed or encrypted; torch.save stores each")
+    if archive.start_dir != directory_at or len(entries) != count or sum(e.file_size for e in entries) > directory_at:
+        raise ValueError("its zip central directory is not the one its end record names, or its entries overlap")
+    if f"{folder}data.pkl" not in names or len({n.lower() for n in names}) < len(names) or \
+            not all(n.startswith(folder) for n in names):
+        raise ValueError("its zip is not torch.save's (no data.pkl, entries outside its folder or named twice)")
+    pickled = archive.read(f"{folder}data.pkl")  # read once: the bytes checked are the bytes written
     check_pickle(pickled)
-    return pickled
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as fresh:
+        for name in names:
+            unread = not tensors and "/data/" in name.lower()
+            fresh.writestr(name, pickled if name == f"{folder}data.pkl" else b"" if unread else archive.read(name))
+    return out.getvalue(), pickled
 
 
-def archive_entries(read, size):
-    """{name: (offset of its bytes, length)} of the zip of `size` bytes that read(offset, n) gives, as Python's
-    zipfile and torch's reader (which trusts the end record's offsets) both see it, or ValueError: the end
-    record last (no comment), its zip64 twin agreeing, the central directory right before them, and the
-    entries tiling the file from byte 0 up to it, each named once and stored (a deflated one inflates)."""
-    end = read(size - 22, 22) if size >= 22 else b""
+def central_directory(f):
+    """(entries, offset) of the central directory of the zip in file `f` as torch's reader takes them (the end
+    record's, or its zip64 twin's where saturated), once zipfile must take the same (it finds the end record by
+    its place): the end record last (no comment), its zip64 twin agreeing, the directory right before them."""
+    size = f.seek(0, 2)
+    f.seek(max(size - 98, 0))
+    tail = f.read()
+    end, locator = tail[-22:], tail[-42:-22] if size >= 98 else b""
     if len(end) != 22 or end[:4] != b"PK\x05\x06":
         raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
     disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
-    edge, locator = size - 22, read(size - 42, 20) if size >= 98 else b""
+    edge = size - 22
     if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
         record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
-        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", read(size - 98, 56))
+        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", tail[:56])
         ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
         if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
                 short not in (full, value) for short, full, value in
@@ -1037,65 +1040,7 @@ def archive_entries(read, size):
         (here, count, cd_size, cd_at), edge = wide, size - 98
     if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
         raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
-    directory, entries, at = read(cd_at, cd_size), {}, 0
-    for _ in range(count):
-        if directory[at:at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
-            raise ValueError("its zip central directory is cut short")
-        flags, method, csize, usize, n, m, k, first_disk, local = struct.unpack("<8xHH8xIIHHHH6xI",
-                                                                                directory[at:at + 46])
-        name, extra = directory[at + 46:at + 46 + n], directory[at + 46 + n:at + 46 + n + m]
-        usize, csize, local = zip64_values(extra, usize, csize, local)
-        if flags & 1 or method or csize != usize or k or first_disk or name in entries or len(name) != n:
-            raise ValueError("its zip entries are compressed, encrypted or named twice; torch.save stores each once")
-        entries[name], at = (local, usize, flags), at + 46 + n + m + k
-    if at != len(directory):
-        raise ValueError("its zip central directory holds more than its entries")
-    return tile(read, entries, cd_at)
-
-
-def zip64_values(extra, *values):
-    """The central directory's saturated values (0xFFFFFFFF), in order, from the entry's one zip64 extra field."""
-    fields, wide = [], b""
-    while extra:
-        tag, length = struct.unpack("<HH", extra[:4]) if len(extra) >= 4 else (None, 0)
-        if tag is None or len(extra) < 4 + length:
-            raise ValueError("a zip entry's extra fields are cut short")
-        fields.append(tag)
-        wide, extra = extra[4:4 + length] if tag == 1 else wide, extra[4 + length:]
-    if fields.count(1) > 1:
-        raise ValueError("a zip entry has two zip64 fields")
-    out = []
-    for value in values:
-        if value == 0xFFFFFFFF:
-            if len(wide) < 8:
-                raise ValueError("a zip entry's zip64 field lacks a size")
-            value, wide = struct.unpack("<Q", wide[:8])[0], wide[8:]
-        out.append(value)
-    return out
-
-
-def tile(read, entries, cd_at):
-    """{name: (start, length)} once the entries' local headers agree with `entries` and tile [0, cd_at)."""
-    offset, found = 0, {}
-    for name, (local, length, flags) in sorted(entries.items(), key=lambda item: item[1][0]):
-        header = read(local, 30)
-        if local != offset or len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise ValueError("its zip entries do not follow one another from its first byte")
-        local_flags, method, n, m = struct.unpack("<2xHH16xHH", header[4:])
-        if (local_flags, method) != (flags, 0) or read(local + 30, n) != name:
-            raise ValueError("a zip entry's local header disagrees with its central directory")
-        start = local + 30 + n + m
-        offset = start + length
-        if flags & 8:  # a data descriptor after the bytes: their crc and the sizes again
-            descriptor = read(offset, 24)
-            short = descriptor[8:16] == struct.pack("<II", length, length)  # else zip64's, of 8-byte sizes
-            if descriptor[:4] != b"PK\x07\x08" or not short and descriptor[8:] != struct.pack("<QQ", length, length):
-                raise ValueError("a zip entry's data descriptor disagrees with its central directory")
-            offset += 16 if short else 24
-        found[name.decode()] = (start, length)
-    if offset != cd_at:
-        raise ValueError("bytes lie between its zip entries and its central directory")
-    return {name.decode(): found[name.decode()] for name in entries}  # in the directory's order
+    return count, cd_at
 
 
 def check_pickle(data, object_keys=False):
