@@ -330,31 +330,31 @@ def compare_hooks(device, args):
     curves = train(runs, loader, device, args.epochs)
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(nn.ModuleList(run.model.module for run in runs), device)
-    hooks = summarize(runs, curves, args)  # and prints the table
-    report(hooks, elapsed, loader, in_sync, device, args)
+    per_hook = summarize(runs, curves, args)  # and prints the table
+    report(per_hook, elapsed, loader, in_sync, device, args)
     return in_sync
 
 
-def report(hooks, elapsed, loader, in_sync, device, args):
+def report(per_hook, elapsed, loader, in_sync, device, args):
     """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
-    base, samples = hooks["allreduce"], len(loader.sampler) * dist.get_world_size()  # padded: as trained
+    base, samples = per_hook["allreduce"], len(loader.sampler) * dist.get_world_size()  # padded: as trained
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": device.type, "torch": torch.__version__, "epochs": args.epochs,
         "steps": args.epochs * len(loader), "steps_per_epoch": len(loader), "batch_size": args.batch_size,
-        "elapsed_s": elapsed, "samples_per_s": len(hooks) * args.epochs * samples / elapsed,
+        "elapsed_s": elapsed, "samples_per_s": len(per_hook) * args.epochs * samples / elapsed,
         "first_loss": base["first_loss"], "final_loss": base["final_loss"], "losses": base["losses"],
         "replicas_in_sync": in_sync, "resumed_from_epoch": 0, "bucket_cap_mb": args.bucket_cap_mb,
-        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup, "hooks": hooks,
+        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup, "hooks": per_hook,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    smallest = min(hooks, key=lambda name: hooks[name]["bytes_per_step"])
+    smallest = min(per_hook, key=lambda name: per_hook[name]["bytes_per_step"])
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
            f"({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} x "
-           f"{plural(len(hooks), 'hook')} | allreduce loss {base['first_loss']:.4f} "
-           f"-> {base['final_loss']:.4f} | {smallest} {hooks[smallest]['compression']:.1f}x fewer bytes, gap "
-           f"{hooks[smallest]['loss_gap']:+.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+           f"{plural(len(per_hook), 'hook')} | allreduce loss {base['first_loss']:.4f} "
+           f"-> {base['final_loss']:.4f} | {smallest} {per_hook[smallest]['compression']:.1f}x fewer bytes, gap "
+           f"{per_hook[smallest]['loss_gap']:+.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
 def main():
@@ -418,10 +418,10 @@ def summarize(runs, curves, args):
     compressed = any("powersgd" in run.name for run in runs)
     steady = args.powersgd_warmup if compressed else 1  # timed from the same step for all: after any warm-up
     base_bytes, base_loss = sum(runs[0].sent[-1]), curves[0][-1]
-    hooks = {}
+    per_hook = {}
     for run, curve in zip(runs, curves):
         per_step = [sum(buckets) for buckets in run.sent]
-        hooks[run.name] = {
+        per_hook[run.name] = {
             "bytes_per_step": per_step[-1], "compression": base_bytes / per_step[-1],
             "buckets_per_step": len(run.sent[-1]), "bucket_bytes": run.sent[-1],
             "warmup_steps": args.powersgd_warmup if "powersgd" in run.name else 0,
@@ -430,12 +430,12 @@ def summarize(runs, curves, args):
             "first_loss": curve[0], "final_loss": curve[-1], "loss_gap": curve[-1] - base_loss, "losses": curve,
         }
     print0(f"{'hook':<17}{'bytes/step/rank':>16}{'vs allreduce':>14}{'step (median)':>15}{'final loss':>12}{'gap':>9}")
-    for name, h in hooks.items():
+    for name, h in per_hook.items():
         print0(f"{name:<17}{h['bytes_per_step']:>16,}{h['compression']:>13.1f}x{h['step_time_s'] * 1e3:>12.1f} ms"
                f"{h['final_loss']:>12.4f}{h['loss_gap']:>+9.4f}")
         if h["warmup_steps"]:
             print0(f"{'':<17}(first {h['warmup_steps']} steps: {h['warmup_bytes_per_step']:,} bytes, plain all-reduce)")
-    return hooks
+    return per_hook
 
 
 # =============================================================================

@@ -41,18 +41,18 @@ Launch:
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_desync.py --device cpu --fix
     python ddp_desync.py                                  # a one-process world (nothing to pair)
 
-Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file adds a loop
-with a rank-local decision, the three diagnoses, and the agreed decision that fixes it. On
-NCCL the watchdog aborts a timed-out collective and first dumps the flight recorder by itself,
-into --trace_dir (prepare_diagnosis); gloo records but dumps only when asked, as here.
-torch 2.7 (the floor) runs all of it except --diagnose flight on gloo: its gloo keeps no record.
-Beyond the lesson: two gaps of torch's worked around (DDP's group under DETAIL, the flight
-record written on gloo); the robustness every script shares is in the harness block at the end.
+Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file adds a loop with a
+rank-local decision, the three diagnoses, and the agreed decision that fixes it. On NCCL the watchdog
+aborts a timed-out collective and first dumps the flight recorder by itself, into --trace_dir
+(prepare_diagnosis); gloo records but dumps only when asked, as here. torch 2.7 (the floor) runs all
+of it except --diagnose flight on gloo: its gloo keeps no record. Beyond the lesson: two gaps of
+torch's worked around (DDP's group under DETAIL, the flight record written on gloo).
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
 import os
+import pickle
 import sys
 import time
 from datetime import timedelta
@@ -305,9 +305,9 @@ def gather_counts(this_rank):
     return torch.stack(every).tolist()
 
 
-def report(losses, every, elapsed, resumed_from, in_sync, steps_per_epoch, this_rank, args):
-    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
-    steps, skipped, bad = [list(column) for column in zip(*every)]
+def report(losses, elapsed, resumed_from, in_sync, steps_per_epoch, this_rank, args):
+    """Rank 0 writes the metrics and prints the steps of every rank and the `done:` line; True when they agree."""
+    steps, skipped, bad = [list(column) for column in zip(*gather_counts(this_rank))]  # every rank's
     same = len(set(steps)) == 1 and len(set(skipped)) == 1 and skipped[0] == sum(bad)
     losses = losses or [float("nan")]
     summary = {
@@ -325,10 +325,9 @@ def report(losses, every, elapsed, resumed_from, in_sync, steps_per_epoch, this_
     print0(f"steps per rank: {steps} | skipped per rank: {skipped} | bad batches: {sum(bad)}"
            f" | {'the same on every rank' if same else 'RANKS DIFFER'}")
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
-           f"({summary['backend']}) | "
-           f"torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | "
-           f"{plural(args.epochs, 'epoch')} | "
-           f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+           f"({summary['backend']}) | torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | "
+           f"{plural(args.epochs, 'epoch')} | loss {losses[0]:.4f} -> {losses[-1]:.4f} | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
     return same
 
 
@@ -351,8 +350,7 @@ def main():
             losses = train(model, optimizer, loader, resumed_from, this_rank, args)
             elapsed = time.perf_counter() - start
             in_sync = replicas_in_sync(model.module, device)
-            same = report(losses, gather_counts(this_rank), elapsed, resumed_from, in_sync, len(loader), this_rank,
-                          args)
+            same = report(losses, elapsed, resumed_from, in_sync, len(loader), this_rank, args)
     finally:
         cleanup()
     if not (in_sync and same):
@@ -360,16 +358,11 @@ def main():
 
 
 # ---- beyond the lesson: torch's gaps worked around (DDP on an unchecked group, gloo's flight record) ----
-import pickle
-
-
 def ddp_group(args):
-    """DDP's process group: the default one, except under --diagnose detail. There torch 2.14 and 2.15 end
-    the process with SIGSEGV in DDP's constructor when its group is checked (TORCH_DISTRIBUTED_DEBUG=DETAIL
-    wraps every group created after it is set; 2.7 does not crash), so DDP gets a group created unchecked:
-    its gradient all-reduces go unchecked, every other collective of the loop is checked. The new group
-    waits torch's default 30 minutes, not --timeout: under --bug skip-step rank 0 waits there, and the
-    error comes from rank 1's checked call, which names rank 0 (with --timeout rank 0 would fail first)."""
+    """DDP's process group: the default one, except under --diagnose detail. There torch 2.14 and 2.15 end the
+    process with SIGSEGV in DDP's constructor when its group is checked (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps
+    every group created after it is set; 2.7 does not crash), so DDP gets a group created unchecked (and with
+    torch's default timeout, 30 minutes): its gradient all-reduces go unchecked, the checked calls time out first."""
     if args.diagnose != "detail":
         return None
     dist.set_debug_level(dist.DebugLevel.OFF)

@@ -207,7 +207,7 @@ class Copy:
         self.module = copy.deepcopy(initial).to(device)  # every copy starts from the same weights
         if configure:
             configure(self.module)  # freezing, checkpointing, ...: before DDP is built, as it must be
-        self.initial = {k: v.detach().clone() for k, v in self.module.named_parameters()}
+        self.weights_before = {k: v.detach().clone() for k, v in self.module.named_parameters()}
         self.model = wrap(self.module, device, **ddp_options)
         self.sent, self.seconds = [], []  # per step: bytes of each bucket, and seconds
         self.model.register_comm_hook(None, counting_allreduce(self.sent))
@@ -599,7 +599,7 @@ def measure(copies, curves):
 
 def unchanged(c, prefix):
     """Whether every parameter under `prefix` is bit for bit what it was before training."""
-    return all(torch.equal(p, c.initial[k]) for k, p in c.module.named_parameters() if k.startswith(prefix))
+    return all(torch.equal(p, c.weights_before[k]) for k, p in c.module.named_parameters() if k.startswith(prefix))
 
 
 def trainable_bytes(c):
