@@ -359,7 +359,7 @@ def reproduce_and_fix(loader, device, args):
            f"{len(loader)} steps per epoch, task per rank: {tasks} | {', '.join(c.name for c in copies)}")
     curves = train(copies, loader, device, args)
     extra.update(measure_and_check(copies, curves, args))  # the table, and what the mode promises
-    return finish(nn.ModuleList(c.module for c in copies), curves[-1], start, extra, loader, device, args)
+    return check_and_report(nn.ModuleList(c.module for c in copies), curves[-1], start, extra, loader, device, args)
 
 
 def first_batches(loader, device, count=2):
@@ -446,11 +446,11 @@ def fix_two_forwards(loader, device, args):
            f"final broadcast: {'yes' if diverged else 'no'}, after it agree: {'yes' if agree else 'NO'}")
     extra = {**found, "buffers_differed_before_broadcast": diverged, "buffers_agree": agree,
              "sync_option": no_buffer_broadcast(), "checks": {"buffers_agree": agree}}
-    return finish(fixed, curve, start, extra, loader, device, args)
+    return check_and_report(fixed, curve, start, extra, loader, device, args)
 
 
 # ---------------------------------------------------------------- main
-def finish(modules, curve, start, extra, loader, device, args):
+def check_and_report(modules, curve, start, extra, loader, device, args):
     """The replicas compared and the run reported; True when they agree and the mode's checks hold."""
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(modules, device)
