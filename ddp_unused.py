@@ -367,19 +367,6 @@ def first_batches(loader, device, count=2):
     return [(x.to(device), (ya if task == "a" else yb).to(device)) for x, ya, yb in itertools.islice(loader, count)]
 
 
-def fail_bare(initial, batches, loader, device, args):
-    """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
-    error, when = reproduce_bare(initial, batches, device)
-    said, every = gathered(error)
-    free_error_frames()
-    if error is None:  # not with this model; a model whose every parameter takes part gets here
-        print0("no error: every rank used every parameter")
-        return True
-    extra = {"reproductions": {"plain DDP": {"error": first_words(error), "per_rank": every}}}
-    report([None], 0.0, loader, None, extra, device, args)
-    stop(f'DDP raised "{first_words(error)}" {when}: parameters that received no gradient: {said}', FIXES)
-
-
 # ---------------------------------------------------------------- two forwards through BatchNorm (a GAN step)
 NOISE = 16
 def no_buffer_broadcast():
@@ -533,6 +520,19 @@ def stop(what, fix):
     print0(f"error: {what} ({fix})", sys.stderr)
     dist.barrier()
     raise SystemExit(1)
+
+
+def fail_bare(initial, batches, loader, device, args):
+    """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
+    error, when = reproduce_bare(initial, batches, device)
+    said, every = gathered(error)
+    free_error_frames()
+    if error is None:  # not with this model; a model whose every parameter takes part gets here
+        print0("no error: every rank used every parameter")
+        return True
+    extra = {"reproductions": {"plain DDP": {"error": first_words(error), "per_rank": every}}}
+    report([None], 0.0, loader, None, extra, device, args)
+    stop(f'DDP raised "{first_words(error)}" {when}: parameters that received no gradient: {said}', FIXES)
 
 
 def report_reproduction(name, reproduce, initial, batches, device, explanation):
