@@ -23,12 +23,12 @@ At the end one table: bytes per step per rank (the warm-up counted apart), media
 time, final training loss and its gap to the allreduce run. A ring all-reduce moves
 about 2(N-1)/N times these bytes over each rank's link.
 
-Measured (2 CPU processes, gloo, defaults): bytes per step per rank 2,385,960 (allreduce),
-1,192,980 (fp16, bf16), 57,544 (powersgd rank 4: 41x fewer, after 8 plain steps); final
-loss 1.1805, gap -0.0022 for fp16 and bf16, +0.18 for PowerSGD (rank 16: 12x fewer bytes,
-+0.05). Steps took about as long with fp16/bf16 and ~1.5x as long with PowerSGD: over
-loopback the bytes saved are worth less than the extra matrix products. The bytes are
-what carries over to a real network.
+Measured (2 CPU processes, gloo, defaults, torch 2.14.1): bytes per step per rank 2,385,960
+(allreduce), 1,192,980 (fp16, bf16), 57,544 (powersgd rank 4: 41x fewer, after 8 plain steps);
+final loss 1.1805, gap -0.0019 for fp16 and -0.0001 for bf16 (within 0.0022 for seeds 0 to 2),
++0.18 for PowerSGD (rank 16: 12x fewer bytes, +0.05). Steps took about as long with fp16/bf16
+and ~1.5x as long with PowerSGD: over loopback the bytes saved are worth less than the extra
+matrix products. The bytes are what carries over to a real network.
 
 Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_comm_hooks.py
@@ -62,9 +62,9 @@ What runs where (torch 2.14.1):
   so a torch that fixes it runs it. powerSGD_hook works: it stacks its factors into 3-D
   batches itself.
 
-Nearest sibling: ddp_gpus_torchrun.py (the same torchrun launch and loop shape); this
-file adds the hooks and their measurement. The robustness every script shares is in the
-harness block at the end of the file, the same in every script.
+Nearest sibling: ddp_gpus_torchrun.py (the same torchrun launch and loop shape); this file adds
+the hooks and their measurement; what runs where and the table are beyond the lesson, and the
+robustness every script shares is in the harness block at the end of the file.
 """
 
 # ---------------------------------------------------------------- imports
@@ -157,31 +157,6 @@ def choose_hooks(asked, unavailable):
     return ["allreduce"] + [name for name in dict.fromkeys(names) if name != "allreduce"]
 
 
-def unavailable_hooks(args):
-    """{hook: why it cannot run on this machine, with this torch}."""
-    why = {}
-    # whether the GPU computes bf16 is asked after set_device, by each process (bf16_where_native)
-    if args.backend == "nccl" and torch.cuda.nccl.version() < (2, 10):
-        why["bf16"] = "NCCL all-reduces bfloat16 from version 2.10 on"
-    if importlib.util.find_spec("numpy") is None:
-        why["powersgd"] = "torch's PowerSGDState draws its random projections with numpy, which is not installed"
-        why["batched_powersgd"] = why["powersgd"]
-    elif orthogonalize_takes_only_batches():
-        why["batched_powersgd"] = (f"in torch {torch.__version__} it passes 2-D matrices to _orthogonalize, which takes "
-                                   "only 3-D batches (AssertionError at the first compressed step); powersgd works")
-    return why
-
-
-def orthogonalize_takes_only_batches():
-    """True where batched_powerSGD_hook fails: the helper it calls on its 2-D P and Q
-    accepts only batches of matrices since pytorch#75157, and raises a bare AssertionError."""
-    try:
-        powerSGD_hook._orthogonalize(torch.ones(2, 1))
-    except AssertionError:
-        return True
-    return False
-
-
 def choose_buckets(args):
     """On gloo, the whole model in one bucket: PowerSGD issues its P and Q all-reduces from callbacks
     that run on gloo's threads when the previous all-reduce completes, while the autograd thread may
@@ -206,11 +181,10 @@ def steps_per_epoch(samples, world_size, batch_size):
 def setup(args):
     """Join the process group that torchrun describes in the environment; returns this process's device."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
     # the cores split between this machine's processes, on GPUs too (their loaders, their CPU work)
     use_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
-        device = torch.device(args.device, local_rank)
+        device = torch.device(args.device, int(os.environ["LOCAL_RANK"]))
         torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
     else:
         device = torch.device("cpu")
@@ -233,8 +207,7 @@ def make_dataset(samples, features, seed):
     rank (seeded), so the indices the sampler hands out mean the same thing everywhere."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, features, generator=g)
-    y = (x @ torch.randn(features, CLASSES, generator=g)).argmax(dim=1)
-    return TensorDataset(x, y)
+    return TensorDataset(x, (x @ torch.randn(features, CLASSES, generator=g)).argmax(dim=1))
 
 
 # ---------------------------------------------------------------- model
@@ -306,19 +279,6 @@ class Run:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
 
-    def step(self, xs, ys):
-        self.sent.append([])
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(xs), ys)
-        loss.backward()  # DDP hands each full bucket of gradients to the hook, which all-reduces it
-        self.optimizer.step()
-        if xs.device.type != "cpu":
-            torch.accelerator.synchronize(xs.device)  # the clock waits for the GPU's work
-        self.seconds.append(time.perf_counter() - start)
-        self.totals[0] += loss.detach().double() * len(xs)  # on the device: no host sync per step
-        self.totals[1] += len(xs)
-
 
 def train(runs, loader, device, epochs):
     """Every copy takes every step, in turns; returns each copy's global mean loss per epoch."""
@@ -329,7 +289,18 @@ def train(runs, loader, device, epochs):
         for i, (xs, ys) in enumerate(loader):
             xs, ys = xs.to(device, non_blocking=True), ys.to(device, non_blocking=True)
             for k in range(len(runs)):  # a different copy goes first each step: none always meets a cold cache
-                runs[(i + k) % len(runs)].step(xs, ys)
+                run = runs[(i + k) % len(runs)]
+                run.sent.append([])
+                began = time.perf_counter()
+                run.optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(run.model(xs), ys)
+                loss.backward()  # DDP hands each full bucket of gradients to the hook, which all-reduces it
+                run.optimizer.step()
+                if device.type != "cpu":
+                    torch.accelerator.synchronize(device)  # the clock waits for the GPU's work
+                run.seconds.append(time.perf_counter() - began)
+                run.totals[0] += loss.detach().double() * len(xs)  # on the device: no host sync per step
+                run.totals[1] += len(xs)
         totals = torch.stack([run.totals for run in runs])
         dist.all_reduce(totals)  # global mean losses, every copy's in one collective
         for run, curve, (loss_sum, samples) in zip(runs, curves, totals.tolist()):
@@ -338,21 +309,6 @@ def train(runs, loader, device, epochs):
         print0(f"epoch {epoch + 1}/{epochs} | loss " + " ".join(f"{r.name} {c[-1]:.4f}" for r, c in zip(runs, curves))
                + f" | {time.perf_counter() - start:.2f} s")
     return curves
-
-
-def bf16_where_native(hooks, device):
-    """The hooks, without bf16 where a rank's device computes bfloat16 only by emulation (CUDA
-    before Ampere: slow). Asked after set_device_index, so each process asks its own GPU, and
-    agreed by every rank, which must train the same copies. On the CPU bf16 stays: gloo casts
-    and all-reduces it on any CPU."""
-    if "bf16" not in hooks or device.type == "cpu":
-        return hooks
-    native = torch.tensor([int(bf16_supported(device))], device=device)
-    dist.all_reduce(native, op=dist.ReduceOp.MIN)  # 0 when any rank's device only emulates bf16
-    if native.item():
-        return hooks
-    print0("note: the bf16 hook is left out: a rank's device computes bfloat16 only by emulation")
-    return [name for name in hooks if name != "bf16"]
 
 
 # ---------------------------------------------------------------- main
@@ -374,55 +330,31 @@ def compare_hooks(device, args):
     curves = train(runs, loader, device, args.epochs)
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(nn.ModuleList(run.model.module for run in runs), device)
-    report(summarize(runs, curves, args), elapsed, loader, in_sync, device, args)
+    per_hook = summarize(runs, curves, args)  # and prints the table
+    report(per_hook, elapsed, loader, in_sync, device, args)
     return in_sync
 
 
-def summarize(runs, curves, args):
-    """Per hook: bytes per step per rank (warm-up apart), median step time, loss and gap to allreduce."""
-    compressed = any("powersgd" in run.name for run in runs)
-    steady = args.powersgd_warmup if compressed else 1  # timed from the same step for all: after any warm-up
-    base_bytes, base_loss = sum(runs[0].sent[-1]), curves[0][-1]
-    hooks = {}
-    for run, curve in zip(runs, curves):
-        per_step = [sum(buckets) for buckets in run.sent]
-        hooks[run.name] = {
-            "bytes_per_step": per_step[-1], "compression": base_bytes / per_step[-1],
-            "buckets_per_step": len(run.sent[-1]), "bucket_bytes": run.sent[-1],
-            "warmup_steps": args.powersgd_warmup if "powersgd" in run.name else 0,
-            "warmup_bytes_per_step": per_step[0], "total_bytes": sum(per_step),
-            "step_time_s": statistics.median(run.seconds[steady:]), "timed_steps": len(run.seconds[steady:]),
-            "first_loss": curve[0], "final_loss": curve[-1], "loss_gap": curve[-1] - base_loss, "losses": curve,
-        }
-    return hooks
-
-
-def report(hooks, elapsed, loader, in_sync, device, args):
-    """Rank 0 prints the table and the `done:` line and writes the metrics (--metrics)."""
-    print0(f"{'hook':<17}{'bytes/step/rank':>16}{'vs allreduce':>14}{'step (median)':>15}{'final loss':>12}{'gap':>9}")
-    for name, h in hooks.items():
-        print0(f"{name:<17}{h['bytes_per_step']:>16,}{h['compression']:>13.1f}x{h['step_time_s'] * 1e3:>12.1f} ms"
-               f"{h['final_loss']:>12.4f}{h['loss_gap']:>+9.4f}")
-        if h["warmup_steps"]:
-            print0(f"{'':<17}(first {h['warmup_steps']} steps: {h['warmup_bytes_per_step']:,} bytes, plain all-reduce)")
-    base, samples = hooks["allreduce"], len(loader.sampler) * dist.get_world_size()  # padded: as trained
+def report(per_hook, elapsed, loader, in_sync, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
+    base, samples = per_hook["allreduce"], len(loader.sampler) * dist.get_world_size()  # padded: as trained
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": device.type, "torch": torch.__version__, "epochs": args.epochs,
         "steps": args.epochs * len(loader), "steps_per_epoch": len(loader), "batch_size": args.batch_size,
-        "elapsed_s": elapsed, "samples_per_s": len(hooks) * args.epochs * samples / elapsed,
+        "elapsed_s": elapsed, "samples_per_s": len(per_hook) * args.epochs * samples / elapsed,
         "first_loss": base["first_loss"], "final_loss": base["final_loss"], "losses": base["losses"],
         "replicas_in_sync": in_sync, "resumed_from_epoch": 0, "bucket_cap_mb": args.bucket_cap_mb,
-        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup, "hooks": hooks,
+        "powersgd_rank": args.powersgd_rank, "powersgd_warmup": args.powersgd_warmup, "hooks": per_hook,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
-    smallest = min(hooks, key=lambda name: hooks[name]["bytes_per_step"])
+    smallest = min(per_hook, key=lambda name: per_hook[name]["bytes_per_step"])
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
            f"({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} x "
-           f"{plural(len(hooks), 'hook')} | allreduce loss {base['first_loss']:.4f} "
-           f"-> {base['final_loss']:.4f} | {smallest} {hooks[smallest]['compression']:.1f}x fewer bytes, gap "
-           f"{hooks[smallest]['loss_gap']:+.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+           f"{plural(len(per_hook), 'hook')} | allreduce loss {base['first_loss']:.4f} "
+           f"-> {base['final_loss']:.4f} | {smallest} {per_hook[smallest]['compression']:.1f}x fewer bytes, gap "
+           f"{per_hook[smallest]['loss_gap']:+.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
 def main():
@@ -437,6 +369,73 @@ def main():
         cleanup()
     if not in_sync:
         sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# ---- beyond the lesson: what runs where (this torch, numpy, the GPU's bf16), the bytes and times tabulated ----
+def unavailable_hooks(args):
+    """{hook: why it cannot run on this machine, with this torch}."""
+    why = {}
+    # whether the GPU computes bf16 is asked after set_device, by each process (bf16_where_native)
+    if args.backend == "nccl" and torch.cuda.nccl.version() < (2, 10):
+        why["bf16"] = "NCCL all-reduces bfloat16 from version 2.10 on"
+    if importlib.util.find_spec("numpy") is None:
+        why["powersgd"] = "torch's PowerSGDState draws its random projections with numpy, which is not installed"
+        why["batched_powersgd"] = why["powersgd"]
+    elif orthogonalize_takes_only_batches():
+        why["batched_powersgd"] = (f"in torch {torch.__version__} it passes 2-D matrices to _orthogonalize, which "
+                                   "takes only 3-D batches (AssertionError at the first compressed step); "
+                                   "powersgd works")
+    return why
+
+
+def orthogonalize_takes_only_batches():
+    """True where batched_powerSGD_hook fails: the helper it calls on its 2-D P and Q
+    accepts only batches of matrices since pytorch#75157, and raises a bare AssertionError."""
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+    except AssertionError:
+        return True
+    return False
+
+
+def bf16_where_native(hooks, device):
+    """The hooks, without bf16 where a rank's device computes bfloat16 only by emulation (CUDA
+    before Ampere: slow). Asked after set_device_index, so each process asks its own GPU, and
+    agreed by every rank, which must train the same copies. On the CPU bf16 stays: gloo casts
+    and all-reduces it on any CPU."""
+    if "bf16" not in hooks or device.type == "cpu":
+        return hooks
+    native = torch.tensor([int(bf16_supported(device))], device=device)
+    dist.all_reduce(native, op=dist.ReduceOp.MIN)  # 0 when any rank's device only emulates bf16
+    if native.item():
+        return hooks
+    print0("note: the bf16 hook is left out: a rank's device computes bfloat16 only by emulation")
+    return [name for name in hooks if name != "bf16"]
+
+
+def summarize(runs, curves, args):
+    """Per hook: bytes per step per rank (warm-up apart), median step time, loss and gap to allreduce; a table."""
+    compressed = any("powersgd" in run.name for run in runs)
+    steady = args.powersgd_warmup if compressed else 1  # timed from the same step for all: after any warm-up
+    base_bytes, base_loss = sum(runs[0].sent[-1]), curves[0][-1]
+    per_hook = {}
+    for run, curve in zip(runs, curves):
+        per_step = [sum(buckets) for buckets in run.sent]
+        per_hook[run.name] = {
+            "bytes_per_step": per_step[-1], "compression": base_bytes / per_step[-1],
+            "buckets_per_step": len(run.sent[-1]), "bucket_bytes": run.sent[-1],
+            "warmup_steps": args.powersgd_warmup if "powersgd" in run.name else 0,
+            "warmup_bytes_per_step": per_step[0], "total_bytes": sum(per_step),
+            "step_time_s": statistics.median(run.seconds[steady:]), "timed_steps": len(run.seconds[steady:]),
+            "first_loss": curve[0], "final_loss": curve[-1], "loss_gap": curve[-1] - base_loss, "losses": curve,
+        }
+    print0(f"{'hook':<17}{'bytes/step/rank':>16}{'vs allreduce':>14}{'step (median)':>15}{'final loss':>12}{'gap':>9}")
+    for name, h in per_hook.items():
+        print0(f"{name:<17}{h['bytes_per_step']:>16,}{h['compression']:>13.1f}x{h['step_time_s'] * 1e3:>12.1f} ms"
+               f"{h['final_loss']:>12.4f}{h['loss_gap']:>+9.4f}")
+        if h["warmup_steps"]:
+            print0(f"{'':<17}(first {h['warmup_steps']} steps: {h['warmup_bytes_per_step']:,} bytes, plain all-reduce)")
+    return per_hook
 
 
 # =============================================================================

@@ -41,11 +41,12 @@ Launch:
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_desync.py --device cpu --fix
     python ddp_desync.py                                  # a one-process world (nothing to pair)
 
-Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file adds a loop
-with a rank-local decision, the three diagnoses, and the agreed decision that fixes it. On
-NCCL the watchdog aborts a timed-out collective and first dumps the flight recorder by itself,
-into --trace_dir (prepare_diagnosis); gloo records but dumps only when asked, as here.
-torch 2.7 (the floor) runs all of it except --diagnose flight on gloo: its gloo keeps no record.
+Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file adds a loop with a
+rank-local decision, the three diagnoses, and the agreed decision that fixes it. On NCCL the watchdog
+aborts a timed-out collective and first dumps the flight recorder by itself, into --trace_dir
+(prepare_diagnosis); gloo records but dumps only when asked, as here. torch 2.7 (the floor) runs all
+of it except --diagnose flight on gloo: its gloo keeps no record. Beyond the lesson: two gaps of
+torch's worked around (DDP's group under DETAIL, the flight record written on gloo).
 """
 
 # ---------------------------------------------------------------- imports
@@ -87,7 +88,8 @@ def parse_args(argv=None):
                         "TORCH_DISTRIBUTED_DEBUG=DETAIL; flight: the flight recorder, written to --trace_dir")
     p.add_argument("--bad_step", type=int, default=5, metavar="K",
                    help="the step (counted from 1 over all epochs) whose batch holds a NaN on the last rank")
-    p.add_argument("--log_every", type=int, default=5, metavar="N", help="reduce and print the statistics every N steps")
+    p.add_argument("--log_every", type=int, default=5, metavar="N",
+                   help="reduce and print the statistics every N steps")
     p.add_argument("--trace_dir", default="fr_traces", metavar="DIR",
                    help="--diagnose flight: each rank writes its record here as rank_<rank>")
     p.add_argument("--checkpoint", default=None, metavar="PATH", help="write a checkpoint here every epoch")
@@ -110,8 +112,10 @@ def check_args(args):
     check_positive(args, "epochs", "batch_size", "lr", "samples", "width", "bad_step", "log_every", "timeout")
     check_folders(args.checkpoint, args.metrics)
     resolve_device(args)
-    if args.diagnose == "flight" and args.backend == "gloo" and not hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):
-        fail(f"--diagnose flight: torch {torch.__version__} keeps no flight record for gloo (torch 2.7 records NCCL only)",
+    gloo_records = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+    if args.diagnose == "flight" and args.backend == "gloo" and not gloo_records:
+        fail(f"--diagnose flight: torch {torch.__version__} keeps no flight record for gloo "
+             "(torch 2.7 records NCCL only)",
              "use --diagnose detail or timeout, or torch 2.14, whose gloo records")
     args.resume = continue_checkpoint(args.checkpoint, args.resume)  # unasked: only this job's own (a restart)
     return args
@@ -188,19 +192,6 @@ def build(device, args):
     return model, optimizer, start
 
 
-def ddp_group(args):
-    """DDP's process group: the default one, except under --diagnose detail. There torch 2.14 and 2.15 end
-    the process with SIGSEGV in DDP's constructor when its group is checked (TORCH_DISTRIBUTED_DEBUG=DETAIL
-    wraps every group created after it is set; 2.7 does not crash), so DDP gets a group created unchecked:
-    its gradient all-reduces go unchecked, every other collective of the loop is checked."""
-    if args.diagnose != "detail":
-        return None
-    dist.set_debug_level(dist.DebugLevel.OFF)
-    group = dist.new_group()
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    return group
-
-
 # ---------------------------------------------------------------- the decisions: alone (the bugs) and together
 def announce(step, what):
     """The moment a rank parts from the others, said by that rank (the tests time the error from here)."""
@@ -219,86 +210,69 @@ def skip_this_step(loss, step, args):
     return bool(flag.item())
 
 
-def log_stats(step, stats, counts, args):
+def log_stats(step, stats, this_rank, args):
     """Every --log_every steps: the statistics summed over the ranks, printed by rank 0."""
     if args.bug == "shape" and not args.fix:
-        if counts["bad"]:  # the bug: a key only the rank that saw the NaN has
-            stats = {**stats, "bad_batches": float(counts["bad"])}
-            if not counts["announced"]:
-                counts["announced"] = True
+        if this_rank["bad"]:  # the bug: a key only the rank that saw the NaN has
+            stats = {**stats, "bad_batches": float(this_rank["bad"])}
+            if not this_rank["announced"]:
+                this_rank["announced"] = True
                 announce(step, f"reduces {len(stats)} statistics, the other ranks 2 (--bug shape)")
     else:  # the fix: the same keys, in the same order, on every rank
-        stats = {**stats, "bad_batches": float(counts["bad"])}
-    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=counts["device"])
+        stats = {**stats, "bad_batches": float(this_rank["bad"])}
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=this_rank["device"])
     if args.bug == "rank0-only" and not args.fix:
         if dist.get_rank() != 0:  # the bug: only rank 0 logs, and its log is a collective
             return
-        if step >= args.bad_step and not counts["announced"]:
-            counts["announced"] = True
+        if step >= args.bad_step and not this_rank["announced"]:
+            this_rank["announced"] = True
             announce(step, "calls the log's all_reduce alone (--bug rank0-only)")
     dist.all_reduce(values)
     total = dict(zip(stats, values.tolist()))
     print0(f"step {step} | loss {total['loss_sum'] / max(total['samples'], 1):.4f} | bad batches so far "
-           f"{int(total.get('bad_batches', 0))} | steps skipped so far {counts['skipped']}")
+           f"{int(total.get('bad_batches', 0))} | steps skipped so far {this_rank['skipped']}")
 
 
 # ---------------------------------------------------------------- train
-def poison(x, step, counts, args):
+def poison(x, step, this_rank, args):
     """The last rank's batch of --bad_step holds a NaN: one bad sample, as a corrupt file would give."""
     if step == args.bad_step and dist.get_rank() == dist.get_world_size() - 1:
-        counts["bad"] += 1
+        this_rank["bad"] += 1
         x = x.clone()
         x[0, 0] = float("nan")
     return x
 
 
-def train_epoch(model, optimizer, loader, epoch, counts, args):
+def train_epoch(model, optimizer, loader, epoch, this_rank, args):
     """One epoch; returns [loss sum, samples] of the steps this rank took."""
-    totals = torch.zeros(2, dtype=torch.float64, device=counts["device"])
+    totals = torch.zeros(2, dtype=torch.float64, device=this_rank["device"])
     window = torch.zeros_like(totals)
     for i, (x, y) in enumerate(loader):
         step = epoch * len(loader) + i + 1
-        x, y = x.to(counts["device"]), y.to(counts["device"])
-        loss = F.cross_entropy(model(poison(x, step, counts, args)), y)
+        x, y = x.to(this_rank["device"]), y.to(this_rank["device"])
+        loss = F.cross_entropy(model(poison(x, step, this_rank, args)), y)
         if skip_this_step(loss, step, args):
-            counts["skipped"] += 1
+            this_rank["skipped"] += 1
         else:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            counts["steps"] += 1
+            this_rank["steps"] += 1
             window += torch.stack([loss.detach().double() * len(y), window.new_tensor(len(y))])
         if step % args.log_every == 0:
-            log_stats(step, {"loss_sum": window[0].item(), "samples": window[1].item()}, counts, args)
+            log_stats(step, {"loss_sum": window[0].item(), "samples": window[1].item()}, this_rank, args)
             totals, window = totals + window, torch.zeros_like(window)
     return totals + window
 
 
-def dump_trace(args):
-    """--diagnose flight on gloo: torch dumps the flight recorder by itself only on NCCL (on a watchdog
-    timeout), so each rank writes its own here. torch 2.14's gloo record names its groups '' in the
-    group table, and torchfrtrace then stops with KeyError: ('0', 0) (docs/ddp_breaks_hangs.md): the
-    table is rebuilt from the names the entries carry, every group here spanning all ranks."""
-    c10d = torch._C._distributed_c10d
-    trace = pickle.loads((getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace)())  # NCCL's name before
-    ranks = str(list(range(dist.get_world_size())))
-    if "" in trace["pg_config"]:
-        trace["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks}
-                              for name, desc in {tuple(e["process_group"]) for e in trace["entries"]}}
-    path = os.path.join(args.trace_dir, f"rank_{dist.get_rank()}")
-    atomic_write(path, lambda f: pickle.dump(trace, f))
-    print0(f"flight recorder: each rank's last collectives in {args.trace_dir}/rank_<rank>; "
-           f"see where the ranks parted: torchfrtrace {args.trace_dir} -p rank_")
-
-
-def train(model, optimizer, loader, start_epoch, counts, args):
+def train(model, optimizer, loader, start_epoch, this_rank, args):
     """The epochs; returns the global mean loss of each."""
     losses = []
     for epoch in range(start_epoch, args.epochs):
         loader.sampler.set_epoch(epoch)
         start = time.perf_counter()
         try:
-            totals = train_epoch(model, optimizer, loader, epoch, counts, args)
+            totals = train_epoch(model, optimizer, loader, epoch, this_rank, args)
         except RuntimeError:
             if args.diagnose == "flight":
                 dump_trace(args)
@@ -323,23 +297,23 @@ def save(model, optimizer, epoch, args):
 
 
 # ---------------------------------------------------------------- report
-def gather_counts(counts):
+def gather_counts(this_rank):
     """[steps, skipped, bad batches] of every rank: what each rank did, compared on rank 0."""
-    mine = torch.tensor([counts["steps"], counts["skipped"], counts["bad"]], device=counts["device"])
+    mine = torch.tensor([this_rank["steps"], this_rank["skipped"], this_rank["bad"]], device=this_rank["device"])
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return torch.stack(every).tolist()
 
 
-def report(losses, every, elapsed, resumed_from, in_sync, counts, args):
-    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
-    steps, skipped, bad = [list(column) for column in zip(*every)]
+def report(losses, elapsed, resumed_from, in_sync, steps_per_epoch, this_rank, args):
+    """Rank 0 writes the metrics and prints the steps of every rank and the `done:` line; True when they agree."""
+    steps, skipped, bad = [list(column) for column in zip(*gather_counts(this_rank))]  # every rank's
     same = len(set(steps)) == 1 and len(set(skipped)) == 1 and skipped[0] == sum(bad)
     losses = losses or [float("nan")]
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": counts["device"].type, "torch": torch.__version__, "epochs": args.epochs,
-        "steps": counts["steps"], "steps_per_epoch": counts["steps_per_epoch"], "batch_size": args.batch_size,
+        "device": this_rank["device"].type, "torch": torch.__version__, "epochs": args.epochs,
+        "steps": this_rank["steps"], "steps_per_epoch": steps_per_epoch, "batch_size": args.batch_size,
         "elapsed_s": elapsed, "samples_per_s": sum(steps) * args.batch_size / elapsed if elapsed else 0.0,
         "first_loss": losses[0], "final_loss": losses[-1], "losses": losses, "replicas_in_sync": in_sync,
         "resumed_from_epoch": resumed_from, "bug": args.bug, "fix": args.fix, "diagnose": args.diagnose,
@@ -351,28 +325,13 @@ def report(losses, every, elapsed, resumed_from, in_sync, counts, args):
     print0(f"steps per rank: {steps} | skipped per rank: {skipped} | bad batches: {sum(bad)}"
            f" | {'the same on every rank' if same else 'RANKS DIFFER'}")
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
-           f"({summary['backend']}) | "
-           f"torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | {plural(args.epochs, 'epoch')} | "
-           f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+           f"({summary['backend']}) | torch {torch.__version__} | --bug {args.bug}{' --fix' if args.fix else ''} | "
+           f"{plural(args.epochs, 'epoch')} | loss {losses[0]:.4f} -> {losses[-1]:.4f} | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
     return same
 
 
 # ---------------------------------------------------------------- main
-def run(device, args):
-    loader = make_loader(device, args)
-    model, optimizer, resumed_from = build(device, args)
-    counts = {"device": device, "steps": 0, "skipped": 0, "bad": 0, "announced": False,
-              "steps_per_epoch": len(loader)}
-    print0(f"--bug {args.bug}{' --fix' if args.fix else ''} | --diagnose {args.diagnose} | {len(loader)} steps "
-           f"per epoch | a NaN on rank {dist.get_world_size() - 1} at step {args.bad_step}")
-    start = time.perf_counter()
-    losses = train(model, optimizer, loader, resumed_from, counts, args)
-    elapsed = time.perf_counter() - start
-    in_sync = replicas_in_sync(model.module, device)
-    same = report(losses, gather_counts(counts), elapsed, resumed_from, in_sync, counts, args)
-    return in_sync and same
-
-
 def main():
     """One process of the job; torchrun (or the user) describes the job in the environment."""
     args = check_args(parse_args())
@@ -381,11 +340,52 @@ def main():
     device = setup(args)
     try:
         with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
-            ok = run(device, args)
+            loader = make_loader(device, args)
+            model, optimizer, resumed_from = build(device, args)
+            # what this rank did (its steps, skipped steps, bad batches; whether it said it parted), and where
+            this_rank = {"device": device, "steps": 0, "skipped": 0, "bad": 0, "announced": False}
+            print0(f"--bug {args.bug}{' --fix' if args.fix else ''} | --diagnose {args.diagnose} | {len(loader)} "
+                   f"steps per epoch | a NaN on rank {dist.get_world_size() - 1} at step {args.bad_step}")
+            start = time.perf_counter()
+            losses = train(model, optimizer, loader, resumed_from, this_rank, args)
+            elapsed = time.perf_counter() - start
+            in_sync = replicas_in_sync(model.module, device)
+            same = report(losses, elapsed, resumed_from, in_sync, len(loader), this_rank, args)
     finally:
         cleanup()
-    if not ok:
+    if not (in_sync and same):
         sys.exit(1)  # ranks that took different numbers of steps, or replicas that differ
+
+
+# ---- beyond the lesson: torch's gaps worked around (DDP on an unchecked group, gloo's flight record) ----
+def ddp_group(args):
+    """DDP's process group: the default one, except under --diagnose detail. There torch 2.14 and 2.15 end the
+    process with SIGSEGV in DDP's constructor when its group is checked (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps
+    every group created after it is set; 2.7 does not crash), so DDP gets a group created unchecked (and with
+    torch's default timeout, 30 minutes): its gradient all-reduces go unchecked, the checked calls time out first."""
+    if args.diagnose != "detail":
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    group = dist.new_group()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    return group
+
+
+def dump_trace(args):
+    """--diagnose flight on gloo: torch dumps the flight recorder by itself only on NCCL (on a watchdog
+    timeout), so each rank writes its own here. torch 2.14's gloo record names its groups '' in the
+    group table, and torchfrtrace then stops with KeyError: ('0', 0) (docs/ddp_breaks_hangs.md): the
+    table is rebuilt from the names the entries carry, every group here spanning all ranks."""
+    c10d = torch._C._distributed_c10d
+    trace = pickle.loads((getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace)())  # NCCL's name before
+    ranks = str(list(range(dist.get_world_size())))
+    if "" in trace["pg_config"]:
+        trace["pg_config"] = {name: {"name": name, "desc": desc, "ranks": ranks}
+                              for name, desc in {tuple(e["process_group"]) for e in trace["entries"]}}
+    path = os.path.join(args.trace_dir, f"rank_{dist.get_rank()}")
+    atomic_write(path, lambda f: pickle.dump(trace, f))
+    print0(f"flight recorder: each rank's last collectives in {args.trace_dir}/rank_<rank>; "
+           f"see where the ranks parted: torchfrtrace {args.trace_dir} -p rank_")
 
 
 # =============================================================================

@@ -15,11 +15,11 @@ Join alone is not the whole answer for an optimizer with state: a rank that has 
 all-reduces zeros and drops the result, so it never sees the averaged gradient of the
 steps it sits out. `HandOver` (below) passes it that gradient and steps the optimizer there
 too; `--bare-join` leaves it out, as the PyTorch Join tutorial does, and the training
-drifts: after the default 3 epochs on 2 CPU processes the loss is 0.7829 with the hand-over,
-0.8988 with `--bare-join` and 1.3520 with `--bare-join --zero`. `--zero` shards Adam's
-state with ZeroRedundancyOptimizer, which is Joinable itself: each rank keeps about
-1/world-size of the state, the training is the same to the last bit, and its checkpoint
-is consolidated on rank 0.
+drifts: after the default 3 epochs on 2 CPU processes (torch 2.14.1) the loss is 0.7777
+with the hand-over, 0.8913 with `--bare-join` and 1.3619 with `--bare-join --zero`.
+`--zero` shards Adam's state with ZeroRedundancyOptimizer, which is Joinable itself: each
+rank keeps about 1/world-size of the state, the training is the same to the last bit
+(the replicas' fingerprint equals the plain run's), and its checkpoint is consolidated on rank 0.
 
 Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_uneven.py                 # every GPU
@@ -32,14 +32,14 @@ Launch:
 
 Nearest sibling: ddp_gpus_torchrun.py (the same launch, a DistributedSampler that gives
 every rank the same number of batches). This file adds the unequal shards, Join and what
-it does to gradients, and ZeroRedundancyOptimizer with its checkpoint. The robustness
-every script shares (errors, ports, timeouts, Ctrl-C, the replica check, checkpoint
-files) is in the harness block at the end of the file, the same in every script.
+it does to gradients, and ZeroRedundancyOptimizer with its checkpoint. Beyond the lesson:
+the memory accounting (what ZeRO saves, in bytes). The robustness every script shares
+(errors, ports, timeouts, Ctrl-C, the replica check, checkpoint files) is in the harness
+block at the end of the file, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import atexit
 import contextlib
 import itertools
 import os
@@ -292,7 +292,7 @@ def explain_hang(batches, epoch, args):
 
 
 def train(model, optimizer, loader, start_epoch, device, args):
-    """The epochs; returns one record per epoch: global loss, samples per rank, seconds."""
+    """The epochs; returns (one record per epoch: global loss, samples per rank, seconds; every rank's batches)."""
     handover = HandOver(model, optimizer) if args.join == "handover" else None
     # what each rank holds, gathered: a rank reading its own file knows only its own count
     shards = gather(torch.tensor([len(loader), len(loader.sampler)], device=device)).tolist()
@@ -337,18 +337,8 @@ def save(model, optimizer, epoch, args):
 
 
 # ---------------------------------------------------------------- report
-def optimizer_state_bytes(optimizer, device, args):
-    """Bytes of optimizer state tensors on each rank (gathered); with ZeRO its local optimizer's."""
-    local = optimizer.optim if args.zero else optimizer
-    mine = sum(t.numel() * t.element_size() for state in local.state.values() for t in state.values()
-               if torch.is_tensor(t))
-    return gather(torch.tensor([mine], device=device)).view(-1).tolist()
-
-
-def report(history, batches, memory, elapsed, resumed_from, checks, device, args):
-    """Rank 0 writes the metrics (--metrics) and prints the `done:` line. memory: (the optimizer state bytes of
-    every rank, this rank's param_bytes, grad_bytes, optimizer_bytes and peak_memory_bytes)."""
-    state_bytes, counted = memory
+def report(history, batches, memory_counts, elapsed, resumed_from, checks, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line; memory_counts: Memory.count's keys."""
     losses = [h["loss"] for h in history]
     trained = [sum(h["samples"]) for h in history]
     summary = {
@@ -361,7 +351,7 @@ def report(history, batches, memory, elapsed, resumed_from, checks, device, args
         "resumed_from_epoch": resumed_from, "join": args.join, "zero": args.zero, "imbalance": args.imbalance,
         "batches_per_rank": batches, "samples_per_rank": history[-1]["samples"] if history else [],
         "samples_trained": trained, "dataset_size": args.samples, "every_sample_once": checks["once"],
-        "optimizer_state_bytes_per_rank": state_bytes, **counted,
+        **memory_counts,
     }
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
@@ -372,6 +362,39 @@ def report(history, batches, memory, elapsed, resumed_from, checks, device, args
               else f"nothing trained (resumed at epoch {resumed_from})")
            + f" | every sample once: {'yes' if checks['once'] else 'NO'} | "
            f"replicas {'in sync' if checks['in_sync'] else 'DIFFER'}")
+
+
+# ---------------------------------------------------------------- main
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
+            memory = Memory(device)  # its peak counts from here
+            dataset = make_dataset(args.samples, args.seed)
+            loader = make_loader(dataset, device, args)
+            model, optimizer, resumed_from = build(device, loader, args)
+            # nodes that read their own --checkpoint (not a shared file system) could resume other epochs
+            check_same_on_every_rank(resumed_from, "checkpoint epochs",
+                                     "put --checkpoint on a file system every node sees")
+            say_if_nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
+            start = time.perf_counter()
+            history, batches = train(model, optimizer, loader, resumed_from, device, args)
+            elapsed = time.perf_counter() - start
+            memory_counts = memory.count(model.module, optimizer, args.zero)  # and says the optimizer state's
+            checks = {"once": all(n == len(dataset) for n in (sum(h["samples"]) for h in history)),
+                      "in_sync": replicas_in_sync(model.module, device)}
+            report(history, batches, memory_counts, elapsed, resumed_from, checks, device, args)
+    finally:
+        cleanup()
+    if not (checks["once"] and checks["in_sync"]):
+        sys.exit(1)  # a sample trained twice or never, or replicas that differ
+
+
+# ---- beyond the lesson: memory accounting (parameters, gradients, optimizer state, the peak) ----
+import atexit
 
 
 class Memory:
@@ -408,13 +431,19 @@ class Memory:
             peak = max(peak, alive)
         self.profiler, self.cpu_peak = None, peak
 
-    def count(self, model, optimizer):
-        """This rank's bytes (gradients: one per parameter, its size and dtype) and the peak: metrics keys."""
+    def count(self, model, optimizer, zero):
+        """This rank's bytes (gradients: one per parameter, its size and dtype), the peak and every rank's
+        optimizer state (gathered; under ZeRO its local optimizer's, its shard), as metrics keys; rank 0
+        prints the optimizer state's."""
         def size(tensors):
             return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-        params = size(model.parameters())
-        return {"param_bytes": params, "grad_bytes": params, "peak_memory_bytes": self.peak(),
-                "optimizer_bytes": size(t for st in optimizer.state.values() for t in st.values())}
+        params, local = size(model.parameters()), optimizer.optim if zero else optimizer
+        mine = size(t for state in local.state.values() for t in state.values())
+        every = gather(torch.tensor([mine], device=next(model.parameters()).device)).view(-1).tolist()
+        print0(f"optimizer state per rank: {' + '.join(f'{b:,}' for b in every)} bytes "
+               f"({'ZeRO: each rank its shard' if zero else 'every rank all of it'})")
+        return {"optimizer_state_bytes_per_rank": every, "param_bytes": params, "grad_bytes": params,
+                "optimizer_bytes": mine, "peak_memory_bytes": self.peak()}
 
     def peak(self):
         """Bytes at the peak since construction, as the class says."""
@@ -423,41 +452,6 @@ class Memory:
         self.stop()
         return self.cpu_peak
 
-
-# ---------------------------------------------------------------- main
-def run(device, args):
-    memory = Memory(device)  # its peak counts from here
-    dataset = make_dataset(args.samples, args.seed)
-    loader = make_loader(dataset, device, args)
-    model, optimizer, resumed_from = build(device, loader, args)
-    # nodes that read their own --checkpoint (not a shared file system) could resume other epochs
-    check_same_on_every_rank(resumed_from, "checkpoint epochs", "put --checkpoint on a file system every node sees")
-    say_if_nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
-    start = time.perf_counter()
-    history, batches = train(model, optimizer, loader, resumed_from, device, args)
-    elapsed = time.perf_counter() - start
-    state_bytes = optimizer_state_bytes(optimizer, device, args)
-    counted = memory.count(model.module, optimizer.optim if args.zero else optimizer)
-    print0(f"optimizer state per rank: {' + '.join(f'{b:,}' for b in state_bytes)} bytes "
-           f"({'ZeRO: each rank its shard' if args.zero else 'every rank all of it'})")
-    checks = {"once": all(n == len(dataset) for n in (sum(h["samples"]) for h in history)),
-              "in_sync": replicas_in_sync(model.module, device)}
-    report(history, batches, (state_bytes, counted), elapsed, resumed_from, checks, device, args)
-    return checks["once"] and checks["in_sync"]
-
-
-def main():
-    """One process of the job; torchrun (or the user) describes the job in the environment."""
-    args = check_args(parse_args())
-    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
-    device = setup(args)
-    try:
-        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
-            ok = run(device, args)
-    finally:
-        cleanup()
-    if not ok:
-        sys.exit(1)  # a sample trained twice or never, or replicas that differ
 
 
 # =============================================================================

@@ -38,11 +38,13 @@ batches, unless it reproduces an error):
                   rank's BatchNorm statistics still end different. The fix (no buffer sync before
                   every forward, one broadcast at the end) trains on both
 
-Measured (2 CPU processes, gloo, defaults, torch 2.14.1, a loaded 2-core machine, medians of 3
-runs of --mode static-graph --epochs 6): all-used 10.0 ms a step, find-unused 11.6 ms (1.08x),
-static-graph 9.5 ms (0.95x), noisy; find-unused and static-graph end bit for bit equal. Every
-copy all-reduces 590,968 bytes a step (the unused parameters as zeros); the frozen block takes
-327,800, the trainable parameters' bytes. More in docs/ddp_breaks_unused.md.
+Measured (2 CPU processes, gloo, defaults, torch 2.14.1, a loaded 2-core machine, 3 runs of
+--mode static-graph --epochs 6): a step took all-used 10.0 ms, find-unused 11.6 ms, static-graph
+9.5 ms (each the median of the 3 runs' median steps); the table's `vs all-used` column, a ratio
+within one run, was 0.96x to 1.21x for find-unused (median 1.08x), 0.91x to 1.02x for static-graph
+(median 0.95x): noisy. find-unused and static-graph end bit for bit equal. Every copy all-reduces
+590,968 bytes a step (the unused parameters as zeros); the frozen block takes 327,800, the
+trainable parameters' bytes. More in docs/ddp_breaks_unused.md.
 
 Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_unused.py --mode find-unused
@@ -51,17 +53,17 @@ Launch:
     python ddp_unused.py --mode freeze                                          # a one-process world
 
 Nearest sibling: ddp_comm_hooks.py (copies trained side by side, a byte-counting comm hook);
-this file adds models DDP cannot train as they stand, and the fixes. The robustness every
-script shares is in the harness block at the end of the file, the same in every script.
+this file adds models DDP cannot train as they stand, and the fixes. Beyond the lesson: reading
+DDP's error text and the measurements; the robustness every script shares is in the harness block
+at the end of the file, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
 import copy
+import itertools
 import inspect
 import os
-import re
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -205,32 +207,13 @@ class Copy:
         self.module = copy.deepcopy(initial).to(device)  # every copy starts from the same weights
         if configure:
             configure(self.module)  # freezing, checkpointing, ...: before DDP is built, as it must be
-        self.initial = {k: v.detach().clone() for k, v in self.module.named_parameters()}
+        self.weights_before = {k: v.detach().clone() for k, v in self.module.named_parameters()}
         self.model = wrap(self.module, device, **ddp_options)
         self.sent, self.seconds = [], []  # per step: bytes of each bucket, and seconds
         self.model.register_comm_hook(None, counting_allreduce(self.sent))
         self.optimizer = torch.optim.SGD([p for p in self.module.parameters() if p.requires_grad],
                                          lr=args.lr, momentum=0.9, weight_decay=1e-4)
         self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples]
-
-    def step(self, x, y, task):
-        self.sent.append([])
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(x, task), y)
-        loss.backward()
-        self.optimizer.step()  # weight decay moves any parameter with a gradient, zero or not
-        if x.device.type != "cpu":
-            torch.accelerator.synchronize(x.device)  # the clock waits for the GPU's work
-        self.seconds.append(time.perf_counter() - start)
-        self.totals += torch.stack([loss.detach().double() * len(x), self.totals.new_tensor(len(x))])
-
-    def unchanged(self, prefix):
-        """Whether every parameter under `prefix` is bit for bit what it was before training."""
-        return all(torch.equal(p, self.initial[k]) for k, p in self.module.named_parameters() if k.startswith(prefix))
-
-    def trainable_bytes(self):
-        return sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
 
 
 def train(copies, loader, device, args):
@@ -242,7 +225,17 @@ def train(copies, loader, device, args):
         for i, (x, ya, yb) in enumerate(loader):
             x, y = x.to(device, non_blocking=True), (ya if task == "a" else yb).to(device, non_blocking=True)
             for k in range(len(copies)):  # a different copy goes first each step: none always meets a cold cache
-                copies[(i + k) % len(copies)].step(x, y, task)
+                c = copies[(i + k) % len(copies)]
+                c.sent.append([])
+                began = time.perf_counter()
+                c.optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(c.model(x, task), y)
+                loss.backward()  # DDP all-reduces each bucket once every gradient it waits for is ready
+                c.optimizer.step()  # weight decay moves any parameter with a gradient, zero or not
+                if device.type != "cpu":
+                    torch.accelerator.synchronize(device)  # the clock waits for the GPU's work
+                c.seconds.append(time.perf_counter() - began)
+                c.totals += torch.stack([loss.detach().double() * len(x), c.totals.new_tensor(len(x))])
         totals = torch.stack([c.totals for c in copies])
         dist.all_reduce(totals)  # global mean losses, every copy's in one collective
         for c, curve, (loss_sum, samples) in zip(copies, curves, totals.tolist()):
@@ -252,46 +245,6 @@ def train(copies, loader, device, args):
                                                                       for c, curve in zip(copies, curves))
                + f" | {time.perf_counter() - start:.2f} s")
     return curves
-
-
-# ---------------------------------------------------------------- reading DDP's errors
-def named_in(error):
-    """What a DDP error says about this rank: the parameters it names, else its first sentence."""
-    text = str(error)
-    names = re.search(r"Parameters which did not receive grad for rank \d+: (.+)", text)
-    if names:
-        return names.group(1).strip()
-    twice = re.search(r"Parameter at index \d+ with name (\S+) has been marked as ready twice", text)
-    if twice:
-        return f"{twice.group(1)} marked ready twice"
-    return re.split(r"(?<=[.!])\s", text.strip())[0].strip()
-
-
-def first_words(error):
-    """The error's first sentence, as torch wrote it (the part a search engine finds)."""
-    return re.split(r"(?<=\.)\s", str(error).strip(), maxsplit=1)[0]
-
-
-def gathered(error):
-    """`rank 0: ...; rank 1: ...`: what each rank's error says, or `no error`; every rank calls it."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, named_in(error) if error else None)
-    if len(set(every)) == 1 and every[0]:
-        return f"every rank: {every[0]}", every
-    return "; ".join(f"rank {r}: {said or 'no error'}" for r, said in enumerate(every)), every
-
-
-def stop(what, fix):
-    """A failure of the model, not of the input: one line from rank 0, then every rank exits 1.
-    The barrier: no rank leaves (and has torchrun end the others) before the line is out."""
-    print0_err(f"error: {what} ({fix})")
-    dist.barrier()
-    raise SystemExit(1)
-
-
-def print0_err(line):
-    if dist.get_rank() == 0:
-        print0(line, sys.stderr, every_rank=True)
 
 
 # ---------------------------------------------------------------- the errors, reproduced
@@ -354,19 +307,6 @@ def reproduce_checkpoint_reentrant(initial, batches, device):
     return error, "in the first backward"
 
 
-def report_reproduction(name, reproduce, initial, batches, device, explanation):
-    """One line per reproduction (rank 0), with what each rank's DDP said; --mode bare's is its error line."""
-    error, when = reproduce(initial, batches, device)
-    said, every = gathered(error)
-    free_error_frames()
-    if error is None:
-        print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
-    else:
-        named = "" if set(every) == {first_words(error)} else f" | {said}"  # not the same sentence twice
-        print0(f'{name}: reproduced {when}: "{first_words(error)}"{named} | {explanation}')
-    return {"error": first_words(error) if error else None, "per_rank": every}
-
-
 # ---------------------------------------------------------------- the fixes, trained
 def use_every_parameter(module):
     module.every_parameter = True
@@ -404,39 +344,27 @@ REPRODUCTIONS = {
 }
 
 
-def measure(copies, curves):
-    """Per copy: bytes per step, median step time, losses, DDP's logging data, untouched parameters."""
-    base = statistics.median(copies[0].seconds[1:])
-    table = {}
-    for c, curve in zip(copies, curves):
-        step = statistics.median(c.seconds[1:])  # step 1 builds buckets and, under static_graph, learns the graph
-        table[c.name] = {"bytes_per_step": sum(c.sent[-1]), "buckets_per_step": len(c.sent[-1]),
-                         "trainable_bytes": c.trainable_bytes(), "step_time_s": step, "vs_first": step / base,
-                         "first_loss": curve[0], "final_loss": curve[-1], "losses": curve,
-                         "spare_unchanged": c.unchanged("spare."), "block_unchanged": c.unchanged("block."),
-                         "logging_data": logging_data(c)}
-    return table
+def reproduce_and_fix(loader, device, args):
+    """The multi-task modes: the mode's errors reproduced, then its fixes trained side by side."""
+    initial = MultiTask(args.width)
+    batches = first_batches(loader, device)
+    if args.mode == "bare":
+        return fail_bare(initial, batches, loader, device, args)
+    start = time.perf_counter()
+    extra = {"reproductions": {name: report_reproduction(name, reproduce, initial, batches, device, why)
+                               for name, reproduce, why in REPRODUCTIONS.get(args.mode, [])}}
+    copies = [Copy(name, initial, device, args, configure, **options) for name, configure, options in PLANS[args.mode]]
+    tasks = ", ".join(f"rank {r} {task_of(r)}" for r in range(dist.get_world_size()))
+    print0(f"{len(copies)} copies of a model with {sum(p.numel() for p in initial.parameters()):,} parameters, "
+           f"{len(loader)} steps per epoch, task per rank: {tasks} | {', '.join(c.name for c in copies)}")
+    curves = train(copies, loader, device, args)
+    extra.update(measure_and_check(copies, curves, args))  # the table, and what the mode promises
+    return check_and_report(nn.ModuleList(c.module for c in copies), curves[-1], start, extra, loader, device, args)
 
 
-def logging_data(c):
-    """DDP's own view of a copy (model._get_ddp_logging_data(): private, and documented in DDP's help)."""
-    data = c.model._get_ddp_logging_data()
-    keys = ("find_unused_parameters", "static_graph", "unused_parameter_size", "can_set_static_graph", "iteration")
-    return {k: data.get(k) for k in keys}
-
-
-def largest_difference(a, b):
-    """The largest |difference| between two copies' parameters (0.0: bit for bit the same)."""
-    return max((x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters()))
-
-
-def print_table(table):
-    print0(f"{'copy':<18}{'bytes/step':>12}{'step (median)':>15}{'vs ' + next(iter(table)):>16}{'final loss':>12}"
-           f"  spare unchanged | DDP's logging data")
-    for name, t in table.items():
-        print0(f"{name:<18}{t['bytes_per_step']:>12,}{t['step_time_s'] * 1e3:>12.2f} ms{t['vs_first']:>15.2f}x"
-               f"{t['final_loss']:>12.4f}  {'yes' if t['spare_unchanged'] else 'NO':<15} | "
-               + ", ".join(f"{k}={v}" for k, v in t["logging_data"].items() if k != "iteration"))
+def first_batches(loader, device, count=2):
+    task = task_of(dist.get_rank())
+    return [(x.to(device), (ya if task == "a" else yb).to(device)) for x, ya, yb in itertools.islice(loader, count)]
 
 
 # ---------------------------------------------------------------- two forwards through BatchNorm (a GAN step)
@@ -456,78 +384,45 @@ def gan(width):
     return generator, discriminator
 
 
-def gan_epoch(g, d, optimizers, loader, device):
-    """One epoch of the usual GAN step; returns [discriminator loss sum, batches] of this rank."""
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, _, _ in loader:
-        real = x.to(device) + 2  # "real" data: the inputs, shifted
-        fake = g(torch.randn(len(x), NOISE, device=device))
-        # two forwards through the discriminator, then one backward: with the default buffer sync
-        # DDP broadcasts rank 0's BatchNorm statistics in place before the second one
-        d_loss = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
-        optimizers[1].zero_grad(set_to_none=True)
-        d_loss.backward()
-        optimizers[1].step()
-        g_loss = F.softplus(-d(fake)).mean()
-        optimizers[0].zero_grad(set_to_none=True)
-        g_loss.backward()
-        optimizers[0].step()
-        totals += torch.stack([d_loss.detach().double(), totals.new_tensor(1)])
-    return totals
-
-
 def train_gan(initial, loader, device, args, **options):
-    """Train a copy of the GAN pair; the pair and its global mean discriminator loss per epoch."""
+    """Train a copy of the GAN pair, the usual GAN step; the pair and its global mean discriminator loss per epoch."""
     g, d = (copy.deepcopy(m).to(device) for m in initial)
     ddp_g, ddp_d = wrap(g, device), wrap(d, device, **options)
-    optimizers = [torch.optim.Adam(m.parameters(), lr=args.lr / 25, betas=(0.5, 0.999)) for m in (g, d)]
+    g_optimizer, d_optimizer = (torch.optim.Adam(m.parameters(), lr=args.lr / 25, betas=(0.5, 0.999)) for m in (g, d))
     curve = []
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
-        totals = gan_epoch(ddp_g, ddp_d, optimizers, loader, device)
-        dist.all_reduce(totals)
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # [discriminator loss sum, batches]
+        for x, _, _ in loader:
+            real = x.to(device) + 2  # "real" data: the inputs, shifted
+            fake = ddp_g(torch.randn(len(x), NOISE, device=device))
+            # two forwards through the discriminator, then one backward: with the default buffer sync
+            # DDP broadcasts rank 0's BatchNorm statistics in place before the second one
+            d_loss = F.softplus(-ddp_d(real)).mean() + F.softplus(ddp_d(fake.detach())).mean()
+            d_optimizer.zero_grad(set_to_none=True)
+            d_loss.backward()
+            d_optimizer.step()
+            g_loss = F.softplus(-ddp_d(fake)).mean()
+            g_optimizer.zero_grad(set_to_none=True)
+            g_loss.backward()
+            g_optimizer.step()
+            totals += torch.stack([d_loss.detach().double(), totals.new_tensor(1)])
+        dist.all_reduce(totals)  # [sum, count] over every rank: the global mean
         curve.append((totals[0] / totals[1]).item())
     return nn.ModuleList([g, d]), curve
 
 
-def buffers_agree(module):
-    """Whether every rank's buffers (BatchNorm's running statistics) equal rank 0's, bit for bit."""
-    same = torch.ones(1, device=next(module.parameters()).device)
-    for buffer in module.buffers():
-        theirs = buffer.clone()
-        dist.broadcast(theirs, src=0)
-        same *= float(torch.equal(theirs, buffer))
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
-    return bool(same.item())
-
-
-def try_default_sync(initial, loader, device, args):
-    """Train under DDP's default buffer sync; one line: its error where torch raises one, else what it leaves."""
+def fix_two_forwards(loader, device, args):
+    """The default buffer sync (its error where torch raises one), then the fix, trained."""
+    initial = gan(args.width)
+    torch.manual_seed(args.seed + dist.get_rank())  # the generator's noise: its own on every rank
+    start = time.perf_counter()
     default, error = None, None
     try:
         default, _ = train_gan(initial, loader, device, args)
     except RuntimeError as e:
         error = e
-    said, every = gathered(error)
-    free_error_frames()
-    flag = next(iter(no_buffer_broadcast()))
-    if error:
-        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" '
-               f"({said.split(':')[0]}) | torch {torch.__version__} (pytorch#175024, fixed by "
-               f"pytorch#175851): pass {flag}=False")
-    else:
-        agree = "yes" if buffers_agree(default) else "no (each forward updates them after the broadcast)"
-        print0(f"default buffer sync: no error in torch {torch.__version__} (DDP keeps the buffers' version "
-               f"counters across its broadcast since pytorch#175851); BatchNorm statistics agree across ranks "
-               f"after training: {agree}")
-    return {"default_sync_error": first_words(error) if error else None, "per_rank": every}
-
-
-def run_two_forwards(loader, device, args):
-    """The default buffer sync (its error where torch raises one), then the fix; returns the summary."""
-    initial = gan(args.width)
-    torch.manual_seed(args.seed + dist.get_rank())  # the generator's noise: its own on every rank
-    found = try_default_sync(initial, loader, device, args)
+    found = report_default_sync(error, default)
     fixed, curve = train_gan(initial, loader, device, args, **no_buffer_broadcast())
     diverged = not buffers_agree(fixed)
     for buffer in fixed.buffers():  # rank 0's statistics for everyone, once, before they are used or saved
@@ -536,88 +431,18 @@ def run_two_forwards(loader, device, args):
     print0(f"{next(iter(no_buffer_broadcast()))}=False: trained; discriminator loss "
            + " -> ".join(f"{v:.4f}" for v in curve) + f" | BatchNorm statistics differed across ranks before the "
            f"final broadcast: {'yes' if diverged else 'no'}, after it agree: {'yes' if agree else 'NO'}")
-    return fixed, curve, {**found, "buffers_differed_before_broadcast": diverged, "buffers_agree": agree,
-                          "sync_option": no_buffer_broadcast(), "checks": {"buffers_agree": agree}}
+    extra = {**found, "buffers_differed_before_broadcast": diverged, "buffers_agree": agree,
+             "sync_option": no_buffer_broadcast(), "checks": {"buffers_agree": agree}}
+    return check_and_report(fixed, curve, start, extra, loader, device, args)
 
 
 # ---------------------------------------------------------------- main
-def first_batches(loader, device, count=2):
-    batches = []
-    for x, ya, yb in loader:
-        batches.append((x.to(device), (ya if task_of(dist.get_rank()) == "a" else yb).to(device)))
-        if len(batches) == count:
-            return batches
-    return batches
-
-
-def mode_checks(copies, table, args):
-    """What each mode promises, checked: returns {check: value} for the metrics and the done: line."""
-    by_name = {c.name: c for c in copies}
-    # the spare layer takes part only in the all-used reference; everywhere else no step reaches it
-    checks = {"spare_unchanged": all(t["spare_unchanged"] for name, t in table.items() if "all-used" not in name)}
-    if args.mode == "static-graph":
-        checks["max_difference_static_vs_find_unused"] = largest_difference(by_name["find-unused"],
-                                                                            by_name["static-graph"])
-    if args.mode == "checkpoint":
-        checks["max_difference_checkpointed_vs_plain"] = max(
-            largest_difference(by_name["find-unused"], by_name[n]) for n in ("non-reentrant", "reentrant+static"))
-    if args.mode == "freeze":
-        frozen = table["frozen"]
-        checks["frozen_block_unchanged"] = frozen["block_unchanged"]
-        checks["frozen_bytes_are_trainable_bytes"] = frozen["bytes_per_step"] == frozen["trainable_bytes"]
-        checks["bytes_saved_per_step"] = table["find-unused"]["bytes_per_step"] - frozen["bytes_per_step"]
-    for name, value in checks.items():
-        print0(f"check: {name} = {value}")
-    return checks
-
-
-def train_mode(initial, loader, device, args):
-    """Train the mode's copies side by side; returns (modules, curve of the last copy, extra metrics)."""
-    copies = [Copy(name, initial, device, args, configure, **options) for name, configure, options in PLANS[args.mode]]
-    tasks = ", ".join(f"rank {r} {task_of(r)}" for r in range(dist.get_world_size()))
-    print0(f"{len(copies)} copies of a model with {sum(p.numel() for p in initial.parameters()):,} parameters, "
-           f"{len(loader)} steps per epoch, task per rank: {tasks} | {', '.join(c.name for c in copies)}")
-    curves = train(copies, loader, device, args)
-    table = measure(copies, curves)
-    print_table(table)
-    checks = mode_checks(copies, table, args)
-    return nn.ModuleList(c.module for c in copies), curves[-1], {"copies": table, "checks": checks}
-
-
-def run(device, args):
-    """Reproduce the mode's errors, then train its fixes; returns True when the replicas agree."""
-    torch.manual_seed(args.seed)  # the initial weights: the same on every rank
-    dataset = make_dataset(args.samples, args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset, seed=args.seed))
-    start = time.perf_counter()
-    if args.mode == "two-forwards":
-        modules, curve, extra = run_two_forwards(loader, device, args)
-    else:
-        initial = MultiTask(args.width)
-        batches = first_batches(loader, device)
-        if args.mode == "bare":
-            return fail_bare(initial, batches, loader, device, args)
-        extra = {"reproductions": {name: report_reproduction(name, reproduce, initial, batches, device, why)
-                                   for name, reproduce, why in REPRODUCTIONS.get(args.mode, [])}}
-        modules, curve, more = train_mode(initial, loader, device, args)
-        extra.update(more)
+def check_and_report(modules, curve, start, extra, loader, device, args):
+    """The replicas compared and the run reported; True when they agree and the mode's checks hold."""
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(modules, device)
     report(curve, elapsed, loader, in_sync, extra, device, args)
     return in_sync and all(v is not False for v in extra.get("checks", {}).values())
-
-
-def fail_bare(initial, batches, loader, device, args):
-    """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
-    error, when = reproduce_bare(initial, batches, device)
-    said, every = gathered(error)
-    free_error_frames()
-    if error is None:  # not with this model; a model whose every parameter takes part gets here
-        print0("no error: every rank used every parameter")
-        return True
-    extra = {"reproductions": {"plain DDP": {"error": first_words(error), "per_rank": every}}}
-    report([None], 0.0, loader, None, extra, device, args)
-    stop(f'DDP raised "{first_words(error)}" {when}: parameters that received no gradient: {said}', FIXES)
 
 
 def report(curve, elapsed, loader, in_sync, extra, device, args):
@@ -636,8 +461,7 @@ def report(curve, elapsed, loader, in_sync, extra, device, args):
     if args.mode != "bare":
         print0(f"done: {summary['script']} --mode {args.mode} | {plural(summary['world_size'], 'process')} on "
                f"{device.type} ({summary['backend']}) | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | "
-               f"loss {curve[0]:.4f} -> "
-               f"{curve[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
+               f"loss {curve[0]:.4f} -> {curve[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
 def main():
@@ -647,11 +471,182 @@ def main():
     device = setup(args)
     try:
         with explained_failures(args.timeout):
-            ok = run(device, args)
+            torch.manual_seed(args.seed)  # the initial weights: the same on every rank
+            dataset = make_dataset(args.samples, args.seed)
+            sampler = DistributedSampler(dataset, seed=args.seed)  # each rank its own 1/N of the samples
+            loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+            run = fix_two_forwards if args.mode == "two-forwards" else reproduce_and_fix
+            ok = run(loader, device, args)
     finally:
         cleanup()
     if not ok:
         sys.exit(1)  # the replicas differ, or a check of the mode failed
+
+
+# ---- beyond the lesson: DDP's error text read, the copies measured, each mode's promises checked ----
+import re
+import statistics
+
+
+def named_in(error):
+    """What a DDP error says about this rank: the parameters it names, else its first sentence."""
+    text = str(error)
+    names = re.search(r"Parameters which did not receive grad for rank \d+: (.+)", text)
+    if names:
+        return names.group(1).strip()
+    twice = re.search(r"Parameter at index \d+ with name (\S+) has been marked as ready twice", text)
+    if twice:
+        return f"{twice.group(1)} marked ready twice"
+    return re.split(r"(?<=[.!])\s", text.strip())[0].strip()
+
+
+def first_words(error):
+    """The error's first sentence, as torch wrote it (the part a search engine finds)."""
+    return re.split(r"(?<=\.)\s", str(error).strip(), maxsplit=1)[0]
+
+
+def gathered(error):
+    """`rank 0: ...; rank 1: ...`: what each rank's error says, or `no error`; every rank calls it."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, named_in(error) if error else None)
+    if len(set(every)) == 1 and every[0]:
+        return f"every rank: {every[0]}", every
+    return "; ".join(f"rank {r}: {said or 'no error'}" for r, said in enumerate(every)), every
+
+
+def stop(what, fix):
+    """A failure of the model, not of the input: one line from rank 0, then every rank exits 1.
+    The barrier: no rank leaves (and has torchrun end the others) before the line is out."""
+    print0(f"error: {what} ({fix})", sys.stderr)
+    dist.barrier()
+    raise SystemExit(1)
+
+
+def fail_bare(initial, batches, loader, device, args):
+    """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
+    error, when = reproduce_bare(initial, batches, device)
+    said, every = gathered(error)
+    free_error_frames()
+    if error is None:  # not with this model; a model whose every parameter takes part gets here
+        print0("no error: every rank used every parameter")
+        return True
+    extra = {"reproductions": {"plain DDP": {"error": first_words(error), "per_rank": every}}}
+    report([None], 0.0, loader, None, extra, device, args)
+    stop(f'DDP raised "{first_words(error)}" {when}: parameters that received no gradient: {said}', FIXES)
+
+
+def report_reproduction(name, reproduce, initial, batches, device, explanation):
+    """One line per reproduction (rank 0), with what each rank's DDP said; the metrics' record of it."""
+    error, when = reproduce(initial, batches, device)
+    said, every = gathered(error)
+    free_error_frames()
+    if error is None:
+        print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
+    else:
+        named = "" if set(every) == {first_words(error)} else f" | {said}"  # not the same sentence twice
+        print0(f'{name}: reproduced {when}: "{first_words(error)}"{named} | {explanation}')
+    return {"error": first_words(error) if error else None, "per_rank": every}
+
+
+def report_default_sync(error, default):
+    """One line: the default buffer sync's error where torch raises one, else what it leaves."""
+    said, every = gathered(error)
+    free_error_frames()
+    flag = next(iter(no_buffer_broadcast()))
+    if error:
+        print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" '
+               f"({said.split(':')[0]}) | torch {torch.__version__} (pytorch#175024, fixed by "
+               f"pytorch#175851): pass {flag}=False")
+    else:
+        agree = "yes" if buffers_agree(default) else "no (each forward updates them after the broadcast)"
+        print0(f"default buffer sync: no error in torch {torch.__version__} (DDP keeps the buffers' version "
+               f"counters across its broadcast since pytorch#175851); BatchNorm statistics agree across ranks "
+               f"after training: {agree}")
+    return {"default_sync_error": first_words(error) if error else None, "per_rank": every}
+
+
+def buffers_agree(module):
+    """Whether every rank's buffers (BatchNorm's running statistics) equal rank 0's, bit for bit."""
+    same = torch.ones(1, device=next(module.parameters()).device)
+    for buffer in module.buffers():
+        theirs = buffer.clone()
+        dist.broadcast(theirs, src=0)
+        same *= float(torch.equal(theirs, buffer))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def measure_and_check(copies, curves, args):
+    """The copies' table printed, and what the mode promises checked: the metrics' copies and checks."""
+    table = measure(copies, curves)
+    print_table(table)
+    return {"copies": table, "checks": mode_checks(copies, table, args)}
+
+
+def measure(copies, curves):
+    """Per copy: bytes per step, median step time, losses, DDP's logging data, untouched parameters."""
+    base = statistics.median(copies[0].seconds[1:])
+    table = {}
+    for c, curve in zip(copies, curves):
+        step = statistics.median(c.seconds[1:])  # step 1 builds buckets and, under static_graph, learns the graph
+        table[c.name] = {"bytes_per_step": sum(c.sent[-1]), "buckets_per_step": len(c.sent[-1]),
+                         "trainable_bytes": trainable_bytes(c), "step_time_s": step, "vs_first": step / base,
+                         "first_loss": curve[0], "final_loss": curve[-1], "losses": curve,
+                         "spare_unchanged": unchanged(c, "spare."), "block_unchanged": unchanged(c, "block."),
+                         "logging_data": logging_data(c)}
+    return table
+
+
+def unchanged(c, prefix):
+    """Whether every parameter under `prefix` is bit for bit what it was before training."""
+    return all(torch.equal(p, c.weights_before[k]) for k, p in c.module.named_parameters() if k.startswith(prefix))
+
+
+def trainable_bytes(c):
+    return sum(p.numel() * p.element_size() for p in c.module.parameters() if p.requires_grad)
+
+
+def logging_data(c):
+    """DDP's own view of a copy (model._get_ddp_logging_data(): private, and documented in DDP's help)."""
+    data = c.model._get_ddp_logging_data()
+    keys = ("find_unused_parameters", "static_graph", "unused_parameter_size", "can_set_static_graph", "iteration")
+    return {k: data.get(k) for k in keys}
+
+
+def largest_difference(a, b):
+    """The largest |difference| between two copies' parameters (0.0: bit for bit the same)."""
+    return max((x - y).abs().max().item() for x, y in zip(a.module.parameters(), b.module.parameters()))
+
+
+def print_table(table):
+    """`vs <first copy>`: a copy's median step over the first copy's, both of this run."""
+    print0(f"{'copy':<18}{'bytes/step':>12}{'step (median)':>15}{'vs ' + next(iter(table)):>16}{'final loss':>12}"
+           f"  spare unchanged | DDP's logging data")
+    for name, t in table.items():
+        print0(f"{name:<18}{t['bytes_per_step']:>12,}{t['step_time_s'] * 1e3:>12.2f} ms{t['vs_first']:>15.2f}x"
+               f"{t['final_loss']:>12.4f}  {'yes' if t['spare_unchanged'] else 'NO':<15} | "
+               + ", ".join(f"{k}={v}" for k, v in t["logging_data"].items() if k != "iteration"))
+
+
+def mode_checks(copies, table, args):
+    """What each mode promises, checked and printed: {check: value} for the metrics; a False fails the run."""
+    by_name = {c.name: c for c in copies}
+    # the spare layer takes part only in the all-used reference; everywhere else no step reaches it
+    checks = {"spare_unchanged": all(t["spare_unchanged"] for name, t in table.items() if "all-used" not in name)}
+    if args.mode == "static-graph":
+        checks["max_difference_static_vs_find_unused"] = largest_difference(by_name["find-unused"],
+                                                                            by_name["static-graph"])
+    if args.mode == "checkpoint":
+        checks["max_difference_checkpointed_vs_plain"] = max(
+            largest_difference(by_name["find-unused"], by_name[n]) for n in ("non-reentrant", "reentrant+static"))
+    if args.mode == "freeze":
+        frozen = table["frozen"]
+        checks["frozen_block_unchanged"] = frozen["block_unchanged"]
+        checks["frozen_bytes_are_trainable_bytes"] = frozen["bytes_per_step"] == frozen["trainable_bytes"]
+        checks["bytes_saved_per_step"] = table["find-unused"]["bytes_per_step"] - frozen["bytes_per_step"]
+    for name, value in checks.items():
+        print0(f"check: {name} = {value}")
+    return checks
 
 
 # =============================================================================
