@@ -620,10 +620,10 @@ def check_same_on_every_rank(value, what, fix):
 
 
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
-def free_error_frames():
+def free_error_frames(error=None):
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
-    a failed run's whole error chain may hold the model."""
-    error = sys.exc_info()[1]
+    a failed run's whole error chain may hold the model. `error`: a caught one; by default the one in hand."""
+    error = error or sys.exc_info()[1]
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__

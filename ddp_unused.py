@@ -526,7 +526,7 @@ def fail_bare(initial, batches, loader, device, args):
     """--mode bare: the error, as one line naming every rank's parameters; exit 1."""
     error, when = reproduce_bare(initial, batches, device)
     said, every = gathered(error)
-    free_error_frames()
+    free_error_frames(error)
     if error is None:  # not with this model; a model whose every parameter takes part gets here
         print0("no error: every rank used every parameter")
         return True
@@ -539,7 +539,7 @@ def report_reproduction(name, reproduce, initial, batches, device, explanation):
     """One line per reproduction (rank 0), with what each rank's DDP said; the metrics' record of it."""
     error, when = reproduce(initial, batches, device)
     said, every = gathered(error)
-    free_error_frames()
+    free_error_frames(error)
     if error is None:
         print0(f"{name}: no error {when} in torch {torch.__version__} ({said})")
     else:
@@ -551,7 +551,7 @@ def report_reproduction(name, reproduce, initial, batches, device, explanation):
 def report_default_sync(error, default):
     """One line: the default buffer sync's error where torch raises one, else what it leaves."""
     said, every = gathered(error)
-    free_error_frames()
+    free_error_frames(error)
     flag = next(iter(no_buffer_broadcast()))
     if error:
         print0(f'default buffer sync: reproduced in the first backward: "{first_words(error)}" '
@@ -1002,10 +1002,10 @@ def roll_call(seconds=0.0):
 
 
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
-def free_error_frames():
+def free_error_frames(error=None):
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
-    a failed run's whole error chain may hold the model."""
-    error = sys.exc_info()[1]
+    a failed run's whole error chain may hold the model. `error`: a caught one; by default the one in hand."""
+    error = error or sys.exc_info()[1]
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
