@@ -499,7 +499,7 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, data, d
 
 
 def main():
-    """Check the arguments before any process starts, then start one process per GPU and wait for them all."""
+    """Check the arguments before any process starts, then start --nprocs processes and wait for them all."""
     args = check_args(parse_args())
     prepare_rendezvous(args, spawning=True)  # MASTER_ADDR, and a free MASTER_PORT unless one is set
     context = mp.spawn(run_rank, args=(args,), nprocs=args.nprocs, join=False)  # run_rank(rank, args) in each
