@@ -16,13 +16,12 @@ and no network an offline stand-in with MNIST's shapes is used, and the script s
 the network. `--gpu 0,1` counts the GPUs this process sees: under
 CUDA_VISIBLE_DEVICES=4,5,6,7 (SLURM, containers) it means 4 and 5.
 
-One script, two launches. ddp_main.py starts one process per GPU itself: mp.spawn passes
-each its rank, and the script sets the environment torchrun would set. ddp_main_torchrun.py
-is started by torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT (env://), so it also runs across nodes (then `--data` and `--checkpoint` must
-be on a file system every node sees), by hand, or as one plain `python` process; restarted
-by torchrun (`--max-restarts`) it resumes from `--checkpoint`. `diff ddp_main.py
-ddp_main_torchrun.py` shows the launch, nothing else. ddp_gpus.py and ddp_gpus_torchrun.py
+One script, two launches. ddp_main.py starts one process per GPU itself: mp.spawn passes each its
+rank, and the script sets the environment torchrun would set. ddp_main_torchrun.py is started by
+torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (env://), so it also
+runs across nodes (then `--data` and `--checkpoint` must be on a file system every node sees), by hand,
+or as one plain `python` process; restarted by torchrun (`--max-restarts`) it resumes from
+`--checkpoint`. Their lessons differ in the launch, nothing else. ddp_gpus.py and ddp_gpus_torchrun.py
 are the same two launches for a linear model without data, AMP or evaluation.
 
 Launch:
@@ -34,28 +33,21 @@ Launch:
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=HOST0 MASTER_PORT=29500 python ddp_main_torchrun.py   # by hand
     python ddp_main_torchrun.py                          # a one-process world
 
-Over the seed this fixes: defaults that learn at any world size (Adam at 1e-3, the
-seed's SGD at 1e-4 barely moves; at least 60 steps per process), `torch.amp` instead of
-the deprecated `torch.cuda.amp`, RANK equal to the global rank, a test accuracy over
-exactly the test set (DistributedSampler pads duplicates in), no deadlocking rank-0-only
-evaluation, one download instead of one per process, a checkpoint without the `module.`
-prefix that loads with `weights_only=True`, a free port instead of a hard-coded one, and
-a CPU path. The robustness every script shares (errors, ports, timeouts, Ctrl-C, the
-replica check, checkpoint files) is the harness block at the end of the file.
+Over the seed this fixes: defaults that learn at any world size (Adam at 1e-3, the seed's SGD at 1e-4
+barely moves; at least 60 steps per process), `torch.amp` instead of the deprecated `torch.cuda.amp`,
+RANK equal to the global rank, a test accuracy over exactly the test set (DistributedSampler pads
+duplicates in), no deadlocking rank-0-only evaluation, one download instead of one per process, a
+checkpoint without the `module.` prefix that loads with `weights_only=True`, a free port instead of a
+hard-coded one, and a CPU path. Three parts: the lesson (every DDP call), then beyond it what a learner
+may skip (the stand-in data, the data files, own-image checks, --predict, --gpu), then the harness: the
+robustness every script shares (errors, ports, timeouts, Ctrl-C, the replica check, checkpoint files).
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import ast
-import contextlib
-import errno
-import functools
 import inspect
 import math
 import os
-import re
-import socket
-import stat
 import sys
 import time
 from datetime import timedelta
@@ -65,14 +57,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 DEFAULT_EPOCHS, MIN_STEPS = 3, 60  # 3 epochs, or more where an epoch is short (a large world)
 DEFAULT_DATA = "./data"
-IMAGE_MODES = {"L": 1, "RGB": 3, "RGBA": 4}  # PIL mode -> channels; a palette (P) holds indices, not colours
-DECODED = 20000  # images decoded whole before training (about 1 s of 48 x 48 PNGs); beyond, as training reads them
-MAX_PIXELS = 50_000_000  # per image, on its header: 45-megapixel photos pass, 200 MB decoded (RGBA) at most
-IMAGE_FORMATS = ("PNG", "JPEG", "PPM", "BMP", "TIFF", "WEBP")  # ImageFolder's suffixes: a .png holding EPS runs gs
 
 
 # ---------------------------------------------------------------- arguments
@@ -82,6 +70,8 @@ def parse_args(argv=None):
     add_training_args(p)
     add_data_args(p)
     add_job_args(p)
+    add_own_image_args(p)  # --max_pixels, --predict: beyond the lesson
+    add_gpu_args(p)  # --gpu: beyond the lesson
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
@@ -118,17 +108,11 @@ def add_data_args(p):
     p.add_argument("--test_samples", type=int, default=None, metavar="N",
                    help="use the first N test samples, of an image folder N spread evenly (default: "
                         "all of them; 1000 synthetic)")
-    p.add_argument("--max_pixels", type=int, default=MAX_PIXELS, metavar="N",
-                   help="an image folder's images may have at most N pixels each (width x height), read from "
-                        "the header before the image is decoded")
     p.add_argument("--workers", type=int, default=0, metavar="N",
                    help="DataLoader worker processes, per process (0: load in the training process)")
 
 
 def add_job_args(p):
-    p.add_argument("--gpu", default=None, metavar="IDS",
-                   help="GPUs to use, e.g. 0,1: indices into CUDA_VISIBLE_DEVICES when it is set, "
-                        "else GPU numbers (default: every visible GPU)")
     p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
@@ -137,9 +121,6 @@ def add_job_args(p):
                    help="checkpoint written by rank 0 after every epoch")
     p.add_argument("--resume", action="store_true", help="continue training from --checkpoint")
     p.add_argument("--evaluate", action="store_true", help="only evaluate --checkpoint on the test set")
-    p.add_argument("--predict", nargs="+", default=None, metavar="IMAGE",
-                   help="only classify these image files with --checkpoint: one process, no process group, "
-                        "the training's preprocessing; prints `file -> class (probability)` per image")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
@@ -160,12 +141,8 @@ def check_args(args):
     check_folders(args.checkpoint, args.metrics)
     if not args.evaluate:  # another run's checkpoint is continued only with --resume; overwritten never unasked
         args.resume = continue_checkpoint(args.checkpoint, args.resume)
-    select_gpus(args)
-    resolve_device(args)
+    select_gpus_and_device(args)  # --gpu (beyond the lesson), then --device and --backend made concrete
     check_launch(args)
-    if args.device != "cuda" and args.gpu is not None:  # it sets CUDA_VISIBLE_DEVICES, which only CUDA reads
-        print0(f"note: --gpu {args.gpu} ignored on {'CPU' if args.device == 'cpu' else args.device}; "
-               "the number of processes sets the world size")
     if args.device == "cpu" and args.amp == "fp16":
         print0("note: --amp fp16 on CPU runs far slower than fp32 or bf16 (few CPU kernels are fast in fp16)")
     if args.device == "cpu" and not args.evaluate:
@@ -175,43 +152,8 @@ def check_args(args):
 
 
 def check_launch(args):
-    """torchrun starts the processes; LOCAL_RANK picks this one's GPU (prepare_rendezvous checks
-    it, once a hand-made launch's is filled in). Restarted by torchrun (a failure, a node joined
-    or left), the job continues its own checkpoint unasked (continue_checkpoint, in check_args)."""
-
-
-def visible_gpus(ids, preset):
-    """CUDA_VISIBLE_DEVICES for `--gpu ids`; None when an index is beyond the visible GPUs.
-
-    A list already set (by SLURM, a container, the user) is indexed, not replaced: under
-    4,5,6,7, `--gpu 0,1` means 4,5. An empty one (no GPU visible) stays empty.
-    """
-    if not preset:
-        return ids if preset is None else preset
-    visible = [name.strip() for name in preset.split(",")]
-    picked = [int(i) for i in ids.split(",")]
-    return ",".join(visible[i] for i in picked) if max(picked) < len(visible) else None
-
-
-def select_gpus(args):
-    """Apply --gpu before the first CUDA call: CUDA reads CUDA_VISIBLE_DEVICES once."""
-    if args.gpu is None:
-        return
-    if not re.fullmatch(r"\d+(,\d+)*", args.gpu):
-        fail(f"--gpu {args.gpu!r} is not a list of GPU numbers", "pass e.g. --gpu 0,1")
-    if args.device == "cpu":
-        return  # said in a note once the device is known
-    preset = os.environ.get("CUDA_VISIBLE_DEVICES")
-    chosen = visible_gpus(args.gpu, preset)
-    if chosen is None:
-        fail(f"--gpu {args.gpu} but CUDA_VISIBLE_DEVICES={preset} shows {len(preset.split(','))} GPU(s)",
-             "--gpu counts the visible GPUs from 0: pass smaller indices")
-    os.environ["CUDA_VISIBLE_DEVICES"] = chosen
-    # counted after the list is set (CUDA reads it once); CUDA stops at an index the machine lacks:
-    # 0,5 on a 2-GPU machine shows 1 GPU, and training on it alone would go unsaid
-    found, asked = torch.cuda.device_count(), len(chosen.split(",")) if chosen else 0
-    if 0 < found < asked:
-        fail(f"--gpu {args.gpu} but this machine has {found} of those GPUs", "pass the numbers of GPUs it has")
+    """torchrun starts the processes; LOCAL_RANK picks this one's GPU (prepare_rendezvous checks it, once filled
+    in). Restarted by torchrun (a failure, a node joined or left), the job continues its own checkpoint unasked."""
 
 
 # ---------------------------------------------------------------- process group
@@ -229,8 +171,8 @@ def setup(args):
         device = torch.device("cpu")
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
                             timeout=timedelta(seconds=args.timeout),
+                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
                             device_id=device if args.backend == "nccl" else None)
     return device
 
@@ -241,15 +183,411 @@ def cleanup():
 
 
 # ---------------------------------------------------------------- data
+def choose_dataset(args, device):
+    """'images', 'mnist' or 'synthetic'. Global rank 0 looks for (and downloads) MNIST while the rest wait;
+    then the first process of every other machine looks in its own --data: MNIST only if every machine has
+    it (rank 0's answer alone would send a machine without the files into torchvision's "Dataset not found")."""
+    if args.image_folder:
+        return "images"  # found and checked by check_data, on every node
+    found = torch.zeros(1, dtype=torch.long, device=device)
+    if dist.get_rank() == 0 and args.dataset != "synthetic":
+        found[0] = int(mnist_available(args.data or DEFAULT_DATA))
+    dist.broadcast(found, src=0)  # the barrier: nobody reads the folder before rank 0 has filled it
+    if found.item() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        found[0] = int(mnist_available(args.data))  # a shared file system: there already, no download
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    if found.item():
+        return "mnist"
+    if args.dataset == "mnist":
+        fail(f"MNIST is not in {args.data or DEFAULT_DATA}/MNIST/raw and could not be downloaded",
+             "use --dataset synthetic for the offline stand-in, or copy MNIST there")
+    return "synthetic"
+
+
+def load_datasets(args):
+    """The (train, test) sets of args.dataset, cut to --train_samples / --test_samples, and what they are."""
+    if args.dataset == "synthetic":
+        sets = [SyntheticDigits(n, seed=args.seed, train=train)
+                for n, train in ((args.train_samples or 6000, True), (args.test_samples or 1000, False))]
+        info = {"kind": "synthetic", "classes": [str(c) for c in range(10)], "shape": [1, 28, 28],
+                "mean": [0.0], "std": [1.0], "name": "SYNTHETIC stand-in, not MNIST",
+                "normalization": "none (the stand-in is centred)"}
+    else:
+        *sets, info = folder_sets(args)
+        args.dataset = info["kind"]
+    # an image folder lists its files class by class: its first N would be the first classes only
+    spread = args.dataset == "images"
+    sets = [Subset(s, torch.linspace(0, len(s) - 1, n).long().tolist() if spread else range(n))
+            if n and n < len(s) else s for s, n in zip(sets, (args.train_samples, args.test_samples))]
+    where = "" if args.dataset == "synthetic" else f" from {args.data or DEFAULT_DATA}"
+    print0(f"data: {info['name']}{where} | {len(sets[0])} train, {len(sets[1])} test samples | "
+           f"classes: {listed(info['classes'])} | normalised: {info['normalization']}")
+    return sets, info
+
+
+def make_loaders(train_set, test_set, device, args):
+    """Training: a reshuffled 1/world of the data per rank. Test: every sample once over all ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # worker seeds derive from this generator: one per rank, or rank r's worker k would
+    # draw the same random numbers (augmentations) as worker k of every other rank
+    generator = torch.Generator().manual_seed(args.seed + rank)
+    common = {"batch_size": args.batch_size, "num_workers": args.workers,
+              "pin_memory": device.type != "cpu", "persistent_workers": args.workers > 0}
+    train_loader = DataLoader(train_set, sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed),
+                              generator=generator, **common)
+    # rank r of W tests the samples r, r + W, r + 2W, ...: every one exactly once. A range is a sampler
+    # (any iterable with a length is). DistributedSampler would pad the set with duplicates to a
+    # multiple of W (10 samples over 3 ranks gives 12): right for training, wrong for an accuracy.
+    test_loader = DataLoader(test_set, sampler=range(rank, len(test_set), world_size), **common)
+    return train_loader, test_loader
+# ---------------------------------------------------------------- model
+class ConvNet(nn.Module):
+    """The seed's model: two conv blocks (conv, BatchNorm, ReLU, max-pool), then a linear layer.
+
+    For images of any size (4 x 4 and up) and channels: an adaptive pooling brings the feature map to the
+    7 x 7 of a 28 x 28 image, so the linear layer keeps the seed's shape. On 28 x 28 images it changes
+    nothing, and a checkpoint of the fixed-size model loads as it was."""
+
+    def __init__(self, num_classes=10, channels=1):
+        super().__init__()
+        self.layer1 = nn.Sequential(nn.Conv2d(channels, 16, kernel_size=5, stride=1, padding=2),
+                                    nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
+        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
+                                    nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
+        self.pool = nn.AdaptiveAvgPool2d(7)
+        self.fc = nn.Linear(7 * 7 * 32, num_classes)
+
+    def forward(self, x):
+        out = self.pool(self.layer2(self.layer1(x)))
+        return self.fc(out.reshape(out.size(0), -1))
+
+
+def amp_choice(choice, device):
+    """Resolve --amp auto to bf16, fp16 or off, for this process's device (after set_device).
+
+    On a GPU bf16 only where it computes in it (Ampere and later on CUDA): torch also reports emulated
+    bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU fp32, as in every script of
+    the collection (ddp_transformer.py too): what bf16 gains there depends on the model. Measured on the
+    collection's 2-core test machine (AMD EPYC, avx512_bf16; one ConvNet training step, batch 32, one thread,
+    median of interleaved runs): bf16 autocast 3110 samples/s against fp32 1947 (1.6x), so `--amp bf16` pays
+    for this ConvNet there; the Transformer ran no faster in bf16 on the same CPU. With oneDNN held to the
+    instructions without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16 fell to 0.8x of fp32, and to 0.2x with
+    AVX2: there autocast only costs precision.
+    """
+    if choice != "auto":
+        return choice
+    if device.type == "cpu":
+        return "off"
+    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA): bf16 if so, else
+    # fp16 with a GradScaler. Agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP
+    # gradients scaled by its GradScaler, to be averaged with another rank's unscaled bf16 ones
+    native = torch.tensor([int(bf16_supported(device))], device=device)
+    dist.all_reduce(native, op=dist.ReduceOp.MIN)
+    return "bf16" if native.item() else "fp16"  # fp16 with a GradScaler
+
+
+def autocast(device, amp):
+    """Mixed precision for the forward pass (and the loss); a no-op with --amp off."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+# ---------------------------------------------------------------- train / evaluate
+def on_device(loader, device):
+    """The loader's batches on `device`; from pinned memory the copy does not block the host."""
+    for images, labels in loader:
+        yield (images.to(device, non_blocking=device.type != "cpu"),
+               labels.to(device, non_blocking=device.type != "cpu"))
+
+
+def train_one_epoch(model, loader, optimizer, scaler, amp, device):
+    """One pass over this rank's shard; returns the global [sum of losses, samples]."""
+    model.train()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for images, labels in on_device(loader, device):
+        with autocast(device, amp):
+            loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here
+        scaler.step(optimizer)  # with fp16, skips the step when the scaled gradients overflowed
+        scaler.update()
+        totals[0] += loss.detach().double() * len(labels)
+        totals[1] += len(labels)
+    dist.all_reduce(totals)
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, loader, amp, device):
+    """Exact test loss and accuracy over all ranks; `model` is the unwrapped module.
+
+    DDP's forward may run collectives (buffer broadcast), and the shards differ in length by one, so a
+    rank with one batch more would wait forever: evaluate the plain module and reduce [loss sum, correct,
+    count] once, after the loop."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    per_class = torch.zeros(2, model.fc.out_features, dtype=torch.float64, device=device)  # [correct, count]
+    for images, labels in on_device(loader, device):
+        with autocast(device, amp):
+            outputs = model(images)
+        correct = outputs.argmax(dim=1) == labels
+        totals[0] += F.cross_entropy(outputs.float(), labels, reduction="sum").double()
+        totals[1] += correct.sum()
+        totals[2] += len(labels)
+        per_class[0].index_add_(0, labels, correct.double())
+        per_class[1].index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
+    dist.all_reduce(totals)
+    dist.all_reduce(per_class)
+    count = int(totals[2].item())
+    return {"test_samples": count, "test_loss": (totals[0] / count).item(),
+            "test_accuracy": (totals[1] / count).item(), "per_class": per_class.long().tolist()}
+
+
+def sync_buffers(model):
+    """Give every rank rank 0's BatchNorm statistics, the ones saved. Without SyncBatchNorm (the CPU) each
+    rank's statistics follow its own batches, and DDP was told not to broadcast them every step."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def no_buffer_broadcast():
+    """DDP's option for no buffer broadcast before every forward: forward_sync_buffers=False from torch
+    2.13, which deprecates broadcast_buffers=False (a FutureWarning from every rank); older torch knows
+    only broadcast_buffers. (The new flag still broadcasts the buffers once, when DDP is built: the
+    same values here, every rank's model being built from one seed or one checkpoint.)"""
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def write_checkpoint(model, optimizer, scaler, epoch, args, data):
+    """Rank 0 writes (atomically); every rank waits until the file is complete. Its "data" is what using the model
+    needs, so the file alone classifies new images (--predict, docs/own_images.md): the classes in index order,
+    the training split's per-channel mean and std, the input shape [channels, height, width] and the data's kind
+    ("images", "mnist", "idx", "synthetic")."""
+    if dist.get_rank() == 0:
+        card = {key: data[key] for key in ("kind", "classes", "mean", "std", "shape")}
+        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict(), "epoch": epoch, "data": card,
+                         # plain values only, so weights_only loading works: not an image folder's datasets
+                         "args": {**vars(args), "image_folder": None}},
+                        args.checkpoint)
+    dist.barrier()
+
+
+def restore_checkpoint(model, optimizer, scaler, train_loader, args, classes):
+    """Restore model, optimizer and grad scaler from --checkpoint; returns the epochs already trained."""
+    # read once, onto the CPU: load_state_dict moves each tensor where its parameter lives
+    checkpoint = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "epoch", "args"), model)
+    if not isinstance(checkpoint["args"], dict) or not isinstance(checkpoint["scaler"], dict) or \
+            type(checkpoint["epoch"]) is not int or not 0 <= checkpoint["epoch"] < 2 ** 31:
+        fail(f"{args.checkpoint} is not a checkpoint of this script (its args, scaler or epoch is not one)",
+             "delete it to start afresh", every_node=True)
+    card = checkpoint.get("data")  # None in a checkpoint written before it carried its data card
+    theirs = card.get("classes", classes) if isinstance(card, dict) else classes
+    if theirs != classes:  # as many classes, other names or order: every output would mean another class
+        theirs = [str(name)[:40] for name in theirs] if isinstance(theirs, list) else [repr(theirs)[:40]]
+        fail(f"{args.checkpoint} was trained on the classes {listed(theirs)}, this data has {listed(classes)}",
+             "use the data it was trained on, or another --checkpoint to start afresh")
+    check_optimizer_state(args.checkpoint, checkpoint["optimizer"], optimizer)  # before the optimizer sees it
+    try:  # the weights are in the model already: load_checkpoint loaded them
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        fail(f"{args.checkpoint} holds another optimizer's state ({type(e).__name__}: {str(e)[:100]})",
+             "delete it to start afresh", every_node=True)
+    if checkpoint["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}: a switch to fp16 starts afresh
+        scaler.load_state_dict(checkpoint["scaler"])
+    if not args.evaluate:  # one line, if the world size changed
+        note_world_change(checkpoint, len(train_loader), args.batch_size)
+    trained_on = checkpoint["args"].get("dataset")
+    print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {shown(trained_on)})"
+           + ("" if trained_on == args.dataset else f" -- NOTE: this run uses {args.dataset}"))
+    return checkpoint["epoch"]
+
+
+# ---------------------------------------------------------------- main
+def starting_epoch(model, optimizer, scaler, train_loader, args, classes):
+    """The epoch this run starts at: the checkpoint's when resuming or evaluating, else 0."""
+    start = restore_checkpoint(model, optimizer, scaler, train_loader, args, classes) \
+        if args.resume or args.evaluate else 0
+    # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
+    # restart) or another one would train other epochs, and would skip a collective only resumers reached
+    check_same_on_every_rank(start, "checkpoint epochs (0: none found)",
+                             f"put {args.checkpoint} on a file system every node sees")
+    if not args.evaluate:
+        say_if_nothing_left(args.checkpoint, "epoch", start, "--epochs", args.epochs)
+    return start
+
+
+def build_model(data, device):
+    """The ConvNet for this data on this process's device, its BatchNorm synchronised where torch can."""
+    model = ConvNet(len(data["classes"]), channels=data["shape"][0]).to(device)
+    if device.type != "cpu":  # torch's SyncBatchNorm takes cuda, xpu, hpu and npu tensors, not CPU ones
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
+    return model
+
+
+def train(device, args):
+    """Build data, model and optimizer, train epoch by epoch (or only evaluate), test and report; True when the
+    replicas agree."""
+    torch.manual_seed(args.seed)
+    args.dataset = choose_dataset(args, device)
+    args.amp = amp_choice(args.amp, device)
+    sets, data = load_datasets(args)
+    train_loader, test_loader = make_loaders(*sets, device, args)
+    # the world size sets the steps per epoch: a large world gets more epochs, not fewer steps
+    args.epochs = args.epochs or max(DEFAULT_EPOCHS, math.ceil(MIN_STEPS / len(train_loader)))
+    model = build_model(data, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
+    start_epoch = starting_epoch(model, optimizer, scaler, train_loader, args, data["classes"])
+    print0(f"world {plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | amp {args.amp} "
+           f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | "
+           + (f"evaluating epoch {start_epoch}" if args.evaluate else plural(args.epochs, 'epoch')))
+    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive. no_buffer_broadcast:
+    # by default DDP broadcasts rank 0's BatchNorm statistics before every forward, one more collective per step;
+    # SyncBatchNorm keeps them equal on GPUs, and on CPU sync_buffers() hands rank 0's (the saved ones) to all.
+    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
+                                         **no_buffer_broadcast())
+    history, start = [], time.perf_counter()
+    for epoch in range(start_epoch, start_epoch if args.evaluate else args.epochs):
+        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        epoch_start = time.perf_counter()
+        loss_sum, samples = train_one_epoch(ddp, train_loader, optimizer, scaler, args.amp, device).tolist()
+        seconds = time.perf_counter() - epoch_start
+        write_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args, data)
+        history.append({"loss": loss_sum / samples, "samples": samples, "seconds": seconds})
+        print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | "
+               f"{samples / seconds:.0f} samples/s | {seconds:.1f} s | checkpoint {args.checkpoint}")
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(model, device)
+    sync_buffers(model)
+    result = evaluate(model, test_loader, args.amp, device)
+    report(history, elapsed, start_epoch, train_loader, in_sync, result, data, device, args)
+    return in_sync
+
+
+def report(history, elapsed, start_epoch, train_loader, in_sync, result, data, device, args):
+    """Rank 0 prints the test result, writes the metrics (--metrics) and prints the `done:` line."""
+    print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
+           f"accuracy {100 * result['test_accuracy']:.2f}%")
+    print0(per_class_line(result["per_class"], data["classes"]))
+    result = {**result, "data": data["name"], "classes": len(data["classes"]), "image_shape": data["shape"]}
+    samples = sum(h["samples"] for h in history)
+    losses = [h["loss"] for h in history]
+    steps_per_epoch = len(train_loader)
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
+        "dataset": args.dataset, "train_samples": len(train_loader.dataset),
+        "epochs": start_epoch + len(history), "steps": len(history) * steps_per_epoch,
+        "steps_per_epoch": steps_per_epoch, "batch_size": args.batch_size, "elapsed_s": elapsed,
+        "samples_per_s": samples / elapsed if samples else None,
+        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+        "losses": losses, "replicas_in_sync": in_sync, "resumed_from_epoch": start_epoch,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "amp": args.amp, "sync_bn": device.type != "cpu", **result,
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    trained = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s"
+               if losses else "not trained")
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
+           f"({summary['backend']}) | torch {torch.__version__} | {args.dataset} | epoch {summary['epochs']} | "
+           f"{trained} | test accuracy {100 * result['test_accuracy']:.2f}% | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
+            in_sync = train(device, args)
+    except ImageRefused as e:  # as training reads it, in this process or a DataLoader worker
+        fail(*e.args, every_rank=True)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# ---- beyond the lesson: the stand-in data, the data files, own-image checks, --predict, --gpu ----
+import ast
+import contextlib
+import errno
+import functools
+import re
+import socket
+import stat
+
+from torch.utils.data import Dataset
+
+IMAGE_MODES = {"L": 1, "RGB": 3, "RGBA": 4}  # PIL mode -> channels; a palette (P) holds indices, not colours
+DECODED = 20000  # images decoded whole before training (about 1 s of 48 x 48 PNGs); beyond, as training reads them
+MAX_PIXELS = 50_000_000  # per image, on its header: 45-megapixel photos pass, 200 MB decoded (RGBA) at most
+IMAGE_FORMATS = ("PNG", "JPEG", "PPM", "BMP", "TIFF", "WEBP")  # ImageFolder's suffixes: a .png holding EPS runs gs
+
+
+def add_own_image_args(p):
+    p.add_argument("--max_pixels", type=int, default=MAX_PIXELS, metavar="N",
+                   help="an image folder's images may have at most N pixels each (width x height), read from "
+                        "the header before the image is decoded")
+    p.add_argument("--predict", nargs="+", default=None, metavar="IMAGE",
+                   help="only classify these image files with --checkpoint: one process, no process group, "
+                        "the training's preprocessing; prints `file -> class (probability)` per image")
+
+
+def add_gpu_args(p):
+    p.add_argument("--gpu", default=None, metavar="IDS",
+                   help="GPUs to use, e.g. 0,1: indices into CUDA_VISIBLE_DEVICES when it is set, "
+                        "else GPU numbers (default: every visible GPU)")
+
+
+def select_gpus_and_device(args):
+    """--gpu, then --device and --backend made concrete (resolve_device). --gpu sets CUDA_VISIBLE_DEVICES before
+    the first CUDA call (CUDA reads it once), checked against the GPUs this process sees; on any device but
+    CUDA it is ignored, with a note."""
+    if args.gpu is not None and not re.fullmatch(r"\d+(,\d+)*", args.gpu):
+        fail(f"--gpu {args.gpu!r} is not a list of GPU numbers", "pass e.g. --gpu 0,1")
+    if args.gpu is not None and args.device != "cpu":
+        preset = os.environ.get("CUDA_VISIBLE_DEVICES")
+        chosen = visible_gpus(args.gpu, preset)
+        if chosen is None:
+            fail(f"--gpu {args.gpu} but CUDA_VISIBLE_DEVICES={preset} shows {len(preset.split(','))} GPU(s)",
+                 "--gpu counts the visible GPUs from 0: pass smaller indices")
+        os.environ["CUDA_VISIBLE_DEVICES"] = chosen
+        # counted after the list is set (CUDA reads it once); CUDA stops at an index the machine lacks:
+        # 0,5 on a 2-GPU machine shows 1 GPU, and training on it alone would go unsaid
+        found, asked = torch.cuda.device_count(), len(chosen.split(",")) if chosen else 0
+        if 0 < found < asked:
+            fail(f"--gpu {args.gpu} but this machine has {found} of those GPUs", "pass the numbers of GPUs it has")
+    resolve_device(args)
+    if args.device != "cuda" and args.gpu is not None:  # it sets CUDA_VISIBLE_DEVICES, which only CUDA reads
+        print0(f"note: --gpu {args.gpu} ignored on {'CPU' if args.device == 'cpu' else args.device}; "
+               "the number of processes sets the world size")
+
+
+def visible_gpus(ids, preset):
+    """CUDA_VISIBLE_DEVICES for `--gpu ids`; None when an index is beyond the visible GPUs. A list already
+    set (by SLURM, a container, the user) is indexed, not replaced: under 4,5,6,7, `--gpu 0,1` means 4,5.
+    An empty one (no GPU visible) stays empty."""
+    if not preset:
+        return ids if preset is None else preset
+    visible = [name.strip() for name in preset.split(",")]
+    picked = [int(i) for i in ids.split(",")]
+    return ",".join(visible[i] for i in picked) if max(picked) < len(visible) else None
+
+
 class SyntheticDigits(Dataset):
     """An offline stand-in for MNIST: 1x28x28 images in 10 classes that a ConvNet can learn.
 
-    Each class has a fixed random pattern of 4x4-pixel blocks; a sample is its class's
-    pattern shifted by up to 3 pixels, with a random contrast, plus strong noise. The
-    patterns come from `seed` alone, so the training and test splits share them, and
-    every rank builds the same data set (the sampler shards indices, and indices only
-    mean the same thing on every rank if the data does).
-    """
+    Each class has a fixed random pattern of 4x4-pixel blocks; a sample is its class's pattern shifted
+    by up to 3 pixels, with a random contrast, plus strong noise. The patterns come from `seed` alone,
+    so the training and test splits share them, and every rank builds the same data set (the sampler
+    shards indices, and indices only mean the same thing on every rank if the data does)."""
 
     def __init__(self, size, seed=0, train=True):
         patterns = torch.rand(10, 1, 7, 7, generator=torch.Generator().manual_seed(3 * seed)) > 0.5
@@ -453,27 +791,6 @@ def listed(names, most=10):
     return f"{', '.join(names[:most - 2])}, ..., {names[-1]} ({len(names)} in all)"
 
 
-def choose_dataset(args, device):
-    """'images', 'mnist' or 'synthetic'. Global rank 0 looks for (and downloads) MNIST while the rest wait;
-    then the first process of every other machine looks in its own --data: MNIST only if every machine has
-    it (rank 0's answer alone would send a machine without the files into torchvision's "Dataset not found")."""
-    if args.image_folder:
-        return "images"  # found and checked by check_data, on every node
-    found = torch.zeros(1, dtype=torch.long, device=device)
-    if dist.get_rank() == 0 and args.dataset != "synthetic":
-        found[0] = int(mnist_available(args.data or DEFAULT_DATA))
-    dist.broadcast(found, src=0)  # the barrier: nobody reads the folder before rank 0 has filled it
-    if found.item() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        found[0] = int(mnist_available(args.data))  # a shared file system: there already, no download
-    dist.all_reduce(found, op=dist.ReduceOp.MIN)
-    if found.item():
-        return "mnist"
-    if args.dataset == "mnist":
-        fail(f"MNIST is not in {args.data or DEFAULT_DATA}/MNIST/raw and could not be downloaded",
-             "use --dataset synthetic for the offline stand-in, or copy MNIST there")
-    return "synthetic"
-
-
 def normalization(dataset):
     """Per-channel mean and std of up to 2000 evenly spaced images of `dataset` (which yields tensors)."""
     picks = torch.linspace(0, len(dataset) - 1, min(len(dataset), 2000)).long().unique().tolist()
@@ -518,149 +835,6 @@ def idx_info(train, test, root):
     return {"kind": kind, "classes": [str(c) for c in range(classes)], "shape": shape, "name": name}
 
 
-def load_datasets(args):
-    """The (train, test) sets of args.dataset, cut to --train_samples / --test_samples, and what they are."""
-    if args.dataset == "synthetic":
-        sets = [SyntheticDigits(n, seed=args.seed, train=train)
-                for n, train in ((args.train_samples or 6000, True), (args.test_samples or 1000, False))]
-        info = {"kind": "synthetic", "classes": [str(c) for c in range(10)], "shape": [1, 28, 28], "mean": [0.0],
-                "std": [1.0], "name": "SYNTHETIC stand-in, not MNIST", "normalization": "none (the stand-in is centred)"}
-    else:
-        *sets, info = folder_sets(args)
-        args.dataset = info["kind"]
-    # an image folder lists its files class by class: its first N would be the first classes only
-    spread = args.dataset == "images"
-    sets = [Subset(s, torch.linspace(0, len(s) - 1, n).long().tolist() if spread else range(n))
-            if n and n < len(s) else s for s, n in zip(sets, (args.train_samples, args.test_samples))]
-    where = "" if args.dataset == "synthetic" else f" from {args.data or DEFAULT_DATA}"
-    print0(f"data: {info['name']}{where} | {len(sets[0])} train, {len(sets[1])} test samples | "
-           f"classes: {listed(info['classes'])} | normalised: {info['normalization']}")
-    return sets, info
-
-
-def make_loaders(train_set, test_set, device, args):
-    """Training: a reshuffled 1/world of the data per rank. Test: every sample once over all ranks."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    # worker seeds derive from this generator: one per rank, or rank r's worker k would
-    # draw the same random numbers (augmentations) as worker k of every other rank
-    generator = torch.Generator().manual_seed(args.seed + rank)
-    common = {"batch_size": args.batch_size, "num_workers": args.workers,
-              "pin_memory": device.type != "cpu", "persistent_workers": args.workers > 0}
-    train_loader = DataLoader(train_set, sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed),
-                              generator=generator, **common)
-    # rank r of W tests the samples r, r + W, r + 2W, ...: every one exactly once. A range is a sampler
-    # (any iterable with a length is). DistributedSampler would pad the set with duplicates to a
-    # multiple of W (10 samples over 3 ranks gives 12): right for training, wrong for an accuracy.
-    test_loader = DataLoader(test_set, sampler=range(rank, len(test_set), world_size), **common)
-    return train_loader, test_loader
-
-
-# ---------------------------------------------------------------- model
-class ConvNet(nn.Module):
-    """The seed's model: two conv blocks (conv, BatchNorm, ReLU, max-pool), then a linear layer.
-
-    For images of any size (4 x 4 and up) and channels: an adaptive pooling brings the feature
-    map to the 7 x 7 of a 28 x 28 image, so the linear layer keeps the seed's shape. On 28 x 28
-    images it changes nothing, and a checkpoint of the fixed-size model loads as it was.
-    """
-
-    def __init__(self, num_classes=10, channels=1):
-        super().__init__()
-        self.layer1 = nn.Sequential(nn.Conv2d(channels, 16, kernel_size=5, stride=1, padding=2),
-                                    nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
-        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, kernel_size=5, stride=1, padding=2),
-                                    nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(kernel_size=2, stride=2))
-        self.pool = nn.AdaptiveAvgPool2d(7)
-        self.fc = nn.Linear(7 * 7 * 32, num_classes)
-
-    def forward(self, x):
-        out = self.pool(self.layer2(self.layer1(x)))
-        return self.fc(out.reshape(out.size(0), -1))
-
-
-def amp_choice(choice, device):
-    """Resolve --amp auto to bf16, fp16 or off, for this process's device (after set_device).
-
-    On a GPU bf16 only where it computes in it (Ampere and later on CUDA): torch also reports
-    emulated bf16 on older GPUs, which is slow, so there fp16 with a GradScaler. On CPU fp32,
-    as in every script of the collection (ddp_transformer.py too): what bf16 gains there depends
-    on the model. Measured on the collection's 2-core test machine (AMD EPYC, avx512_bf16; one
-    ConvNet training step, batch 32, one thread, median of interleaved runs): bf16 autocast
-    3110 samples/s against fp32 1947 (1.6x), so `--amp bf16` pays for this ConvNet there; the
-    Transformer ran no faster in bf16 on the same CPU. With oneDNN held to the instructions
-    without bf16 (ONEDNN_MAX_CPU_ISA=AVX512_CORE) bf16 fell to 0.8x of fp32, and to 0.2x with
-    AVX2: there autocast only costs precision.
-    """
-    if choice != "auto":
-        return choice
-    if device.type == "cpu":
-        return "off"
-    # the device's own check (torch.cuda.is_bf16_supported(including_emulation=False) on CUDA): bf16
-    # if so, else fp16 with a GradScaler. Agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients scaled by
-    # its GradScaler, to be averaged with another rank's unscaled bf16 ones
-    native = torch.tensor([int(bf16_supported(device))], device=device)
-    dist.all_reduce(native, op=dist.ReduceOp.MIN)
-    return "bf16" if native.item() else "fp16"  # fp16 with a GradScaler
-
-
-def autocast(device, amp):
-    """Mixed precision for the forward pass (and the loss); a no-op with --amp off."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-# ---------------------------------------------------------------- train / evaluate
-def on_device(loader, device):
-    """The loader's batches on `device`; from pinned memory the copy does not block the host."""
-    for images, labels in loader:
-        yield (images.to(device, non_blocking=device.type != "cpu"),
-               labels.to(device, non_blocking=device.type != "cpu"))
-
-
-def train_one_epoch(model, loader, optimizer, scaler, amp, device):
-    """One pass over this rank's shard; returns the global [sum of losses, samples]."""
-    model.train()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for images, labels in on_device(loader, device):
-        with autocast(device, amp):
-            loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients here
-        scaler.step(optimizer)  # with fp16, skips the step when the scaled gradients overflowed
-        scaler.update()
-        totals[0] += loss.detach().double() * len(labels)
-        totals[1] += len(labels)
-    dist.all_reduce(totals)
-    return totals
-
-
-@torch.no_grad()
-def evaluate(model, loader, amp, device):
-    """Exact test loss and accuracy over all ranks; `model` is the unwrapped module.
-
-    DDP's forward may run collectives (buffer broadcast), and the shards differ in
-    length by one, so a rank with one batch more would wait forever: evaluate the
-    plain module and reduce [loss sum, correct, count] once, after the loop.
-    """
-    model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    per_class = torch.zeros(2, model.fc.out_features, dtype=torch.float64, device=device)  # [correct, count]
-    for images, labels in on_device(loader, device):
-        with autocast(device, amp):
-            outputs = model(images)
-        correct = outputs.argmax(dim=1) == labels
-        totals[0] += F.cross_entropy(outputs.float(), labels, reduction="sum").double()
-        totals[1] += correct.sum()
-        totals[2] += len(labels)
-        per_class[0].index_add_(0, labels, correct.double())
-        per_class[1].index_add_(0, labels, torch.ones_like(labels, dtype=torch.float64))
-    dist.all_reduce(totals)
-    dist.all_reduce(per_class)
-    count = int(totals[2].item())
-    return {"test_samples": count, "test_loss": (totals[0] / count).item(),
-            "test_accuracy": (totals[1] / count).item(), "per_class": per_class.long().tolist()}
-
-
 def per_class_line(per_class, classes, most=10):
     """`per class: blue 96.8% (30/31), ...`, the classes without test images left out; past `most`, the lowest."""
     scores = sorted(((correct / count, name, correct, count) for name, correct, count in zip(classes, *per_class)
@@ -668,89 +842,6 @@ def per_class_line(per_class, classes, most=10):
     shown = f"the {most} lowest of {len(scores)}" if len(scores) > most else ""
     return (f"per class{' (' + shown + ')' if shown else ''}: "
             + ", ".join(f"{name} {100 * acc:.1f}% ({correct}/{count})" for acc, name, correct, count in scores[:most]))
-
-
-def sync_buffers(model):
-    """Give every rank rank 0's BatchNorm statistics, the ones saved.
-
-    Without SyncBatchNorm (the CPU) each rank's statistics follow its own batches, and
-    DDP was told not to broadcast them every step (no_buffer_broadcast).
-    """
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
-
-
-def no_buffer_broadcast():
-    """DDP's option for no buffer broadcast before every forward: forward_sync_buffers=False from torch
-    2.13, which deprecates broadcast_buffers=False (a FutureWarning from every rank); older torch knows
-    only broadcast_buffers. (The new flag still broadcasts the buffers once, when DDP is built: the
-    same values here, every rank's model being built from one seed or one checkpoint.)"""
-    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
-def write_checkpoint(model, optimizer, scaler, epoch, args, card):
-    """Rank 0 writes (atomically); every rank waits until the file is complete. `card`: what using the
-    model needs (see model_card), so the file alone classifies new images (--predict, docs/own_images.md)."""
-    if dist.get_rank() == 0:
-        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scaler": scaler.state_dict(), "epoch": epoch, "data": card,
-                         # plain values only, so weights_only loading works: not an image folder's datasets
-                         "args": {**vars(args), "image_folder": None}},
-                        args.checkpoint)
-    dist.barrier()
-
-
-def model_card(data):
-    """The checkpoint's "data": the classes in index order, the training split's per-channel mean and std,
-    the input shape [channels, height, width] and the data's kind ("images", "mnist", "idx", "synthetic")."""
-    return {key: data[key] for key in ("kind", "classes", "mean", "std", "shape")}
-
-
-def restore_checkpoint(model, optimizer, scaler, train_loader, args, classes):
-    """Restore model, optimizer and grad scaler from --checkpoint; returns the epochs already trained."""
-    # read once, onto the CPU: load_state_dict moves each tensor where its parameter lives
-    checkpoint = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "epoch", "args"), model)
-    if not isinstance(checkpoint["args"], dict) or not isinstance(checkpoint["scaler"], dict) or \
-            type(checkpoint["epoch"]) is not int or not 0 <= checkpoint["epoch"] < 2 ** 31:
-        fail(f"{args.checkpoint} is not a checkpoint of this script (its args, scaler or epoch is not one)",
-             "delete it to start afresh", every_node=True)
-    card = checkpoint.get("data")  # None in a checkpoint written before it carried its data card
-    theirs = card.get("classes", classes) if isinstance(card, dict) else classes
-    if theirs != classes:  # as many classes, other names or order: every output would mean another class
-        theirs = [str(name)[:40] for name in theirs] if isinstance(theirs, list) else [repr(theirs)[:40]]
-        fail(f"{args.checkpoint} was trained on the classes {listed(theirs)}, this data has {listed(classes)}",
-             "use the data it was trained on, or another --checkpoint to start afresh")
-    check_optimizer_state(args.checkpoint, checkpoint["optimizer"], optimizer)  # before the optimizer sees it
-    try:  # the weights are in the model already: load_checkpoint loaded them
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        fail(f"{args.checkpoint} holds another optimizer's state ({type(e).__name__}: {str(e)[:100]})",
-             "delete it to start afresh", every_node=True)
-    if checkpoint["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}: a switch to fp16 starts afresh
-        scaler.load_state_dict(checkpoint["scaler"])
-    if not args.evaluate:  # one line, if the world size changed
-        note_world_change(checkpoint, len(train_loader), args.batch_size)
-    trained_on = checkpoint["args"].get("dataset")
-    print0(f"loaded {args.checkpoint} (epoch {checkpoint['epoch']}, trained on {shown(trained_on)})"
-           + ("" if trained_on == args.dataset else f" -- NOTE: this run uses {args.dataset}"))
-    return checkpoint["epoch"]
-
-
-def fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args, card):
-    """Train epochs start_epoch+1 .. args.epochs, saving a checkpoint after each; one record per epoch."""
-    history = []
-    for epoch in range(start_epoch, args.epochs):
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        start = time.perf_counter()
-        loss_sum, samples = train_one_epoch(ddp, train_loader, optimizer, scaler, args.amp, device).tolist()
-        seconds = time.perf_counter() - start
-        write_checkpoint(ddp.module, optimizer, scaler, epoch + 1, args, card)
-        history.append({"loss": loss_sum / samples, "samples": samples, "seconds": seconds})
-        print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | "
-               f"{samples / seconds:.0f} samples/s | {seconds:.1f} s | checkpoint {args.checkpoint}")
-    return history
 
 
 # ---------------------------------------------------------------- predict
@@ -768,7 +859,7 @@ def predict(checkpoint, paths):
 
 
 def read_model(path):
-    """The model in checkpoint `path`, ready to classify, and its data card (model_card); one error line
+    """The model in checkpoint `path`, ready to classify, and its data card (write_checkpoint's); one error line
     for a checkpoint without a card (written before checkpoints carried one) or with a malformed one."""
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path} to predict with", "train first, or point --checkpoint at one")
@@ -805,104 +896,6 @@ def prepare(path, card):
     except ImageRefused as e:
         fail(*e.args)
     return normalize(to_tensor(image), card["mean"], card["std"])
-
-
-# ---------------------------------------------------------------- main
-def starting_epoch(model, optimizer, scaler, train_loader, args, classes):
-    """The epoch this run starts at: the checkpoint's when resuming or evaluating, else 0."""
-    start = restore_checkpoint(model, optimizer, scaler, train_loader, args, classes) \
-        if args.resume or args.evaluate else 0
-    # on every rank, resumed or not: a rank that found no checkpoint (a node-local path after a torchrun
-    # restart) or another one would train other epochs, and would skip a collective only resumers reached
-    check_same_on_every_rank(start, "checkpoint epochs (0: none found)",
-                             f"put {args.checkpoint} on a file system every node sees")
-    if not args.evaluate:
-        say_if_nothing_left(args.checkpoint, "epoch", start, "--epochs", args.epochs)
-    return start
-
-
-def train(device, args):
-    """Build data, model and optimizer, train (or only evaluate), check and report; True when the replicas agree."""
-    torch.manual_seed(args.seed)
-    args.dataset = choose_dataset(args, device)
-    args.amp = amp_choice(args.amp, device)
-    sets, data = load_datasets(args)
-    train_loader, test_loader = make_loaders(*sets, device, args)
-    # the world size sets the steps per epoch: a large world gets more epochs, not fewer steps
-    args.epochs = args.epochs or max(DEFAULT_EPOCHS, math.ceil(MIN_STEPS / len(train_loader)))
-    model = ConvNet(len(data["classes"]), channels=data["shape"][0]).to(device)
-    if device.type != "cpu":  # torch's SyncBatchNorm takes cuda, xpu, hpu and npu tensors, not CPU ones
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over the global batch
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
-    start_epoch = starting_epoch(model, optimizer, scaler, train_loader, args, data["classes"])
-    print0(f"world {plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | amp {args.amp} "
-           f"| batch {args.batch_size} per process | {len(train_loader)} steps per epoch | "
-           + (f"evaluating epoch {start_epoch}" if args.evaluate else plural(args.epochs, 'epoch')))
-
-    # built before the clock starts: DDP's constructor waits for the slowest rank to arrive.
-    # no_buffer_broadcast(): by default DDP broadcasts rank 0's BatchNorm statistics before every
-    # forward, one more collective per step. Not needed here: SyncBatchNorm keeps them equal on GPUs;
-    # on CPU rank 0's (the ones saved) come from rank 0's batches either way, and sync_buffers()
-    # hands them to every rank before evaluation.
-    ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
-                                         **no_buffer_broadcast())
-    start = time.perf_counter()
-    history = [] if args.evaluate else fit(ddp, train_loader, optimizer, scaler, start_epoch, device, args,
-                                           model_card(data))
-    elapsed = time.perf_counter() - start
-    in_sync = replicas_in_sync(model, device)
-    sync_buffers(model)
-    result = evaluate(model, test_loader, args.amp, device)
-    print0(f"test: {result['test_samples']} samples | loss {result['test_loss']:.4f} | "
-           f"accuracy {100 * result['test_accuracy']:.2f}%")
-    print0(per_class_line(result["per_class"], data["classes"]))
-    result.update(data=data["name"], classes=len(data["classes"]), image_shape=data["shape"])
-    report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args)
-    return in_sync
-
-
-def report(history, elapsed, start_epoch, train_loader, in_sync, result, device, args):
-    """Rank 0 writes the metrics (--metrics) and prints the `done:` line."""
-    samples = sum(h["samples"] for h in history)
-    losses = [h["loss"] for h in history]
-    steps_per_epoch = len(train_loader)
-    summary = {
-        "script": os.path.basename(__file__), "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(), "device": device.type, "torch": torch.__version__,
-        "dataset": args.dataset, "train_samples": len(train_loader.dataset),
-        "epochs": start_epoch + len(history), "steps": len(history) * steps_per_epoch,
-        "steps_per_epoch": steps_per_epoch, "batch_size": args.batch_size, "elapsed_s": elapsed,
-        "samples_per_s": samples / elapsed if samples else None,
-        "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "losses": losses, "replicas_in_sync": in_sync, "resumed_from_epoch": start_epoch,
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "amp": args.amp, "sync_bn": device.type != "cpu", **result,
-    }
-    if dist.get_rank() == 0 and args.metrics:
-        write_json(args.metrics, summary)
-    trained = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | {summary['samples_per_s']:.0f} samples/s"
-               if losses else "not trained")
-    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
-           f"({summary['backend']}) "
-           f"| torch {torch.__version__} | {args.dataset} | epoch {summary['epochs']} | {trained} | "
-           f"test accuracy {100 * result['test_accuracy']:.2f}% | replicas {'in sync' if in_sync else 'DIFFER'}")
-
-
-def main():
-    """One process of the job; torchrun (or the user) describes the job in the environment."""
-    args = check_args(parse_args())
-    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
-    device = setup(args)
-    try:
-        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
-            in_sync = train(device, args)
-    except ImageRefused as e:  # as training reads it, in this process or a DataLoader worker
-        fail(*e.args, every_rank=True)
-    finally:
-        cleanup()
-    if not in_sync:
-        sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
 # =============================================================================
@@ -1754,3 +1747,4 @@ def note_world_change(state, steps_per_epoch, batch_size):
 
 if __name__ == "__main__":
     main()
+
