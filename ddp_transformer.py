@@ -32,8 +32,6 @@ number whatever the text's length and the world size; `--epochs N` trains whole 
 instead (given both, whichever ends first). One step sees batch x grad_accum x world
 windows, so more ranks see more text in the same steps; the `model:` line says how many
 epochs of this text the steps make. The learning-rate warmup and decay are in steps too.
-`--time_budget SECONDS` ends the run by the clock instead, its warmup and decay spread over the
-seconds (`--preset cpu10` does: the recipe, and why a budget of time, in docs/ten_minutes.md).
 Each epoch cuts its training windows from another offset (window_offset), so that over the
 epochs every character starts a window, the same windows at any world size and on resume.
 
@@ -41,25 +39,19 @@ torch.compile with DDP (`--compile`): wrap first, then compile, `torch.compile(D
 as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at DDP's
 bucket boundaries, so a bucket's all-reduce starts while the backward pass of earlier
 layers still runs. nanoGPT compiles first, `DDP(torch.compile(model))`: DDP then sees one
-compiled backward that hands over every gradient at its end, and nothing overlaps.
-Measured on 2 CPU processes (gloo, the default model, eager and compiled steps
-interleaved in one launch): compiled steps ran at 0.8x eager's tokens/s in either order
-(wrap first 0.78-0.81x, compile first 0.84-0.85x), and the first step compiled for 54 s
-against 59 s from a cold cache, 22 s against 19 s warm. Nothing there picks an order, so
-the documented one: its overlap pays where the all-reduce takes time (GPUs, models of
-several 25 MB buckets; this one fits in one). On CPU, --compile shows how, not speed.
+compiled backward that hands over every gradient at its end, and nothing overlaps. The
+overlap pays where the all-reduce takes time (GPUs, several 25 MB buckets); on 2 CPU
+processes neither order was faster (the figures: COMPILE_TIME). On CPU it shows how, not speed.
 
 Over the seed this fixes the attention mask (the seed's hides the past and shows the
-future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead, on any
-device, and no mask is built on the CPU), trains on real text instead of constant
-rows, and adds what real training needs: AdamW (or Muon), gradient clipping, a warmup + cosine
-schedule, gradient accumulation with `no_sync()`, AMP, torch.compile, exact distributed
-validation, tokens/s, FLOP/s and MFU, and checkpoints that resume mid-epoch at any world
-size: the place in the epoch is counted in windows of the epoch's order, and the global
-batch is kept (see epoch_steps and keep_global_batch). Nearest sibling:
-ddp_gpus_torchrun.py (same launch and setup; a linear model instead of a Transformer).
-The robustness every script shares (errors, ports, timeouts, Ctrl-C, the replica
-check) is in the harness block at the end of the file, the same in every script.
+future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead), trains on
+real text instead of constant rows, and adds gradient accumulation with `no_sync()`, clipping,
+AdamW, a warmup + cosine schedule, AMP, torch.compile, exact distributed validation, and
+checkpoints that resume mid-epoch at any world size (the place counted in windows of the
+epoch's order: epoch_steps). Nearest sibling: ddp_gpus_torchrun.py (same launch and setup).
+Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+does not teach (--time_budget and --preset, Muon, the seed's toy run, tokens/s, MFU and memory,
+resuming at another world size, the printed summary); then the harness, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
@@ -80,8 +72,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, DistributedSampler
 
-STARTED = time.perf_counter()  # the script's start (torch imported): --time_budget's clock counts from here
-
+# The default corpus: modules every CPython ships, read in this order, cut at a size
 # whose default run takes seconds on a 2-core CPU.
 STDLIB_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "queue.py",
                   "random.py", "functools.py", "contextlib.py", "fractions.py", "abc.py",
@@ -92,14 +83,11 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
-# --preset cpu10: the best validation loss found for 10 minutes of wall clock on a 2-core CPU at 2 processes
-# (how it was chosen, and what it reached: docs/ten_minutes.md). A wall-clock budget ends it in time on a
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpWithDefaults)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
     add_length_args(p)
     add_optimizer_args(p)
     add_data_args(p)
@@ -280,11 +268,8 @@ def default_corpus():
 
 
 def read_corpus(args):
-    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts.
-
-    The vocabulary is the sorted string of the text's characters, so every rank that
-    reads the same text builds the same one; the toy data has the seed's 100 ids instead.
-    """
+    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts. The
+    vocabulary is the sorted string of the text's characters, so every rank builds the same one (toy: None)."""
     if args.dataset == "toy":
         return "", "the seed's toy rows (12 x 10, one token each)", None
     if args.data is None:
@@ -305,15 +290,10 @@ def read_corpus(args):
 
 class Windows(Dataset):
     """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
-    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
-    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
-    that over the epochs every position starts a window and the model sees each stretch of text
-    under other contexts, instead of the same blocks at the same places epoch after epoch; the
-    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
-
-    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
-    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
-    DataLoader (and no per-sample Python) sits in the step.
+    window i is tokens[s : s + block + 1] with s = offset + i*block (the grid moves every epoch: see
+    window_offset; a window the shift pushes past the end is the text's last). `Tensor.unfold` makes
+    every start a view (no copy), and a tensor of window indices gathers a whole batch `(inputs,
+    targets)` at once: no DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
@@ -331,17 +311,6 @@ class Windows(Dataset):
         index = torch.as_tensor(index, device=self.starts.device)
         rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
         return rows[..., :-1], rows[..., 1:]
-
-
-def window_offset(seed, epoch, block):
-    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
-    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
-    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
-    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
-    def order(cycle):
-        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
-    cycle, place = divmod(epoch, block)
-    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 def build_data(args, text, vocab, device):
@@ -380,12 +349,10 @@ def text_fingerprint(text):
 
 # ---------------------------------------------------------------- model
 def rotate(x):
-    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones added to the
-    embedding: channel pair i of the query or key at position t is turned by the angle t / 10000^(2i/d),
-    so the score of q_t and k_s depends on t - s, the distance, alone. No weights, nothing in the
-    checkpoint; on the CPU recipe (docs/ten_minutes.md) a lower validation loss at equal time. A head of
-    odd width (the seed's toy: 3) leaves its last channel as it is.
-    """
+    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones: channel pair i
+    of the query or key at position t is turned by the angle t / 10000^(2i/d), so the score of q_t and k_s
+    depends on t - s alone. No weights, nothing in the checkpoint; on the CPU recipe (docs/ten_minutes.md)
+    a lower validation loss at equal time. A head of odd width (the toy's 3) keeps its last channel."""
     length, half = x.size(-2), x.size(-1) // 2
     rate = 10000 ** -(torch.arange(half, device=x.device, dtype=torch.float) / half)
     angle = torch.outer(torch.arange(length, device=x.device, dtype=torch.float), rate)
@@ -395,13 +362,9 @@ def rotate(x):
 
 
 def causal_attention(q, k, v):
-    """Scaled dot-product attention in which position t attends to positions <= t only.
-
-    Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
-    `is_causal` is only a hint that still needs the T x T mask built and passed (torch 2.14's
-    multi_head_attention_forward raises without it), their weights have other names (every
-    checkpoint would change), and attention could not stay in fp32 under CPU bf16 autocast.
-    """
+    """Attention in which position t sees positions <= t only. Our own block, not torch's
+    nn.MultiheadAttention: there `is_causal` is only a hint that still needs the T x T mask (torch 2.14
+    raises without it), its weights have other names, and it could not stay fp32 under CPU bf16 autocast."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # torch's CPU flash-attention backward is several times slower in bf16 than in
         # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
@@ -492,7 +455,9 @@ def model_config(args, vocab):
 def make_optimizer(model, args):
     if args.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
-    decay, rest = decayed(model)
+    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
     if args.optimizer == "muon":  # the blocks' matrices by Muon, the embedding and the output layer by AdamW
         return make_muon(model, decay, rest, args)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -500,13 +465,6 @@ def make_optimizer(model, args):
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
-
-
-def decayed(model):
-    """(the parameters weight decay shrinks, the rest): the matrices only, not biases, LayerNorm gains or the embedding."""
-    named = list(model.named_parameters())
-    return ([p for n, p in named if p.dim() >= 2 and "embedding" not in n],
-            [p for n, p in named if not (p.dim() >= 2 and "embedding" not in n)])
 
 
 def lr_at(step, total, args):
@@ -534,26 +492,22 @@ def autocast(device, amp):
 
 
 def step_seed(seed, rank, step):
-    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
-    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
-    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
-    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
-    and DDP broadcasts rank 0's anyway: the replicas start identical."""
+    """The seed of one rank's random draws (dropout's masks) in one step: different on every rank (the same
+    masks on different data would be noise correlated across replicas), and a function of (seed, rank, step)
+    alone, so a resumed run draws what an uninterrupted one would have. The initial weights come from --seed
+    alone, and DDP broadcasts rank 0's anyway: the replicas start identical."""
     return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
 
 
-def train_step(model, optimizer, scaler, micro_batches, amp_context, clip, step_tokens=None, lr=None):
+def train_step(model, optimizer, scaler, micro_batches, amp_context, clip, step_tokens=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens) on the device.
 
-    The official way to accumulate under DDP is `model.no_sync()`: the first K-1
-    backward passes only add into .grad locally, the K-th all-reduces the sum once.
-    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
-    Each micro-batch's summed loss is divided by them and multiplied by the world size,
-    which DDP's average divides by again: the step is one step on the mean over every token
-    of the global batch, also where the ranks hold unequal shares (an epoch's last step).
+    The official way to accumulate under DDP is `model.no_sync()`: the first K-1 backward passes only
+    add into .grad locally, the K-th all-reduces the sum once. step_tokens: the step's tokens on all ranks
+    (default: this rank's x the world size). Each micro-batch's summed loss is divided by them and
+    multiplied by the world size, which DDP's average divides by again: one step on the mean over every
+    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
     """
-    for group in optimizer.param_groups if lr is not None else ():
-        group["lr"] = lr
     tokens = sum(y.numel() for _, y in micro_batches)
     world = dist.get_world_size() if dist.is_initialized() else 1
     scale = world / (step_tokens or tokens * world)
@@ -577,11 +531,8 @@ def train_step(model, optimizer, scaler, micro_batches, amp_context, clip, step_
 
 @torch.no_grad()
 def evaluate(model, dataset, indices, batch_size, amp_context):
-    """[sum of token losses, tokens] over `indices` of `dataset`, this rank only (no collective).
-
-    Call it with the unwrapped module: DDP's forward may talk to the other ranks,
-    and ranks can hold a different number of validation batches.
-    """
+    """[sum of token losses, tokens] over `indices` of `dataset`, this rank only (no collective). Call it with
+    the unwrapped module: DDP's forward may talk to the other ranks, which may hold fewer batches."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
@@ -734,7 +685,7 @@ class Run:
         seconds, windows = time.perf_counter() - start, tokens // self.args.block_size
         self.losses.append(loss)
         self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
-        spent = self.budget.out_of_time()  # before the save: a run that ends on the clock saves the seconds that ended it
+        spent = self.budget.out_of_time()  # before the save: a run ended by the clock saves the seconds that ended it
         self.save(epoch)
         of = f"/{self.epochs}" if self.epochs < sys.maxsize else ""  # none under --time_budget alone
         print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {math.ceil(self.windows_in_epoch / self.global_batch)}/"
@@ -765,11 +716,12 @@ def train(device, args, corpus, checkpoint):
             if s > first and (run.step >= run.total or run.budget.out_of_time()):  # the clock before every step
                 break
             torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
-            lr = run.budget.lr() if args.time_budget else lr_at(run.step, run.schedule, args)
+            for group in run.optimizer.param_groups:  # the schedule's rate: by the step, or by the clock
+                group["lr"] = run.budget.lr() if args.time_budget else lr_at(run.step, run.schedule, args)
             micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
             step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
             loss_sum, tokens = train_step(run.ddp, run.optimizer, run.scaler, micro_batches, run.amp_context,
-                                          args.clip, step_tokens, lr)
+                                          args.clip, step_tokens)
             run.stepped(epoch, s, loss_sum, tokens, step_tokens)  # the log line, evaluation, checkpoints
         out_of_time = run.end_epoch(epoch, start, since)  # its loss, its line and its checkpoint
     run.meter.stop()
@@ -804,7 +756,6 @@ def main():
 
 
 # ---- beyond the lesson: time budgets and presets, Muon, the toy run, MFU and memory, resuming elsewhere, reports ----
-# What the scenario offers but the lesson does not need: the lesson reaches each through a call named for it.
 import atexit
 import re
 
@@ -825,19 +776,16 @@ def add_time_budget_args(p):
     p.add_argument("--time_budget", type=float, default=0, metavar="SECONDS",
                    help="end the run SECONDS of wall clock after the script started: training stops early "
                         "enough to leave the final validation and sample twice the first validation's time (the "
-                        "ranks agree on the slowest clock), with the learning rate's warmup "
-                        "and decay spread over the seconds from the first step to the end; --max_steps or --epochs "
-                        "end it first if given. The steps a budget buys depend on the machine's speed and load, "
-                        "so such a run, or its resume (which carries the seconds spent on), is not repeatable step "
-                        "for step; "
-                        "0: no budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
+                        "ranks agree on the slowest clock), with the learning rate's warmup and decay spread over "
+                        "the seconds from the first step to the end; --max_steps or --epochs end it first if given. "
+                        "The steps a budget buys depend on the machine's speed and load, so such a run, or its "
+                        "resume (which carries the seconds spent on), is not repeatable step for step; 0: no "
+                        "budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
 
 
 def use_preset(p, argv):
     """A preset is a set of defaults: the flags passed beside it still win."""
-    preset = p.parse_known_args(argv)[0].preset
-    if preset:
-        p.set_defaults(**PRESETS[preset])
+    p.set_defaults(**PRESETS.get(p.parse_known_args(argv)[0].preset, {}))
 
 
 def lr_at_fraction(fraction, args):
@@ -848,14 +796,12 @@ def lr_at_fraction(fraction, args):
 
 
 class TimeBudget:
-    """--time_budget: whether it is spent, and the learning rate along the fraction of it spent.
-
-    The seconds kept for the last validation and the sample count as spent, so the whole run ends in
-    time. The ranks' clocks differ a little, so they agree on the slowest one's (an all-reduce of one
-    number a step), or they would use different learning rates and stop at different steps. The schedule
-    spans the seconds from the first step to the end: start-up and the first validation take nothing
-    from its warmup. A checkpoint carries the seconds spent on. Without a budget: never spent, no collective.
-    """
+    """--time_budget: the run ends by the clock, its warmup and decay spread over the seconds (--preset cpu10
+    does: the recipe, and why a budget of time, in docs/ten_minutes.md). The seconds kept for the last
+    validation and the sample count as spent, so the whole run ends in time. The ranks agree on the slowest
+    clock (an all-reduce of one number a step), or they would use different rates and stop at different
+    steps. The schedule spans the seconds from the first step on: start-up and the first validation take
+    nothing from its warmup. A checkpoint carries the seconds spent on. No budget: never spent, no collective."""
 
     def __init__(self, args, device, checkpoint=None):
         self.args, self.device, checkpoint = args, device, checkpoint or {}
@@ -874,8 +820,7 @@ class TimeBudget:
         """Read the clock (agreed by the ranks): whether the budget is spent."""
         if not self.args.time_budget:
             return False
-        spent = self.spent_before + time.perf_counter() - STARTED + self.reserve
-        spent = torch.tensor([spent], dtype=torch.float64, device=self.device)
+        spent = torch.tensor([self.seconds_spent()], dtype=torch.float64, device=self.device)
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)
         self.spent = spent.item()
         if self.budget_from is None:
@@ -893,8 +838,10 @@ class TimeBudget:
     def saved(self):
         """What a checkpoint carries on: the seconds spent, with those kept for the end (a resumed run keeps its own),
         and at least the ranks' agreed clock (rank 0's may be behind the slowest one's)."""
-        return {"budget_spent_s": max(self.spent, self.spent_before + time.perf_counter() - STARTED + self.reserve),
-                "budget_from_s": self.budget_from}
+        return {"budget_spent_s": max(self.spent, self.seconds_spent()), "budget_from_s": self.budget_from}
+
+    def seconds_spent(self):  # by this rank's clock: the runs before, this one, and the seconds kept for the end
+        return self.spent_before + time.perf_counter() - STARTED + self.reserve
 
     def say_if_spent(self):
         if self.args.time_budget:
@@ -912,17 +859,14 @@ def make_muon(model, decay, rest, args):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon (Keller Jordan, 2024) for the param groups marked `muon`, AdamW for the others, in one
-    optimizer: one state_dict in the checkpoint and one learning rate for the schedule to set.
-
-    A matrix's step is its Nesterov momentum made orthogonal (orthogonalize): every singular
-    value near 1, so the step moves every direction of the matrix alike instead of the few that
-    dominate its gradient. Scaled by 0.2 x sqrt(the larger side) it has about AdamW's RMS per
-    element, so one --lr serves both kinds (torch.optim.Muon's "match_rms_adamw"). Embedding,
-    output layer and vectors stay with AdamW, as Muon's authors advise. Every rank computes the
-    same step from the same all-reduced gradient: no collective of its own, and the replicas stay
-    identical. torch.optim.Muon (torch 2.9+) takes matrices only and would need an AdamW beside it.
-    """
+    """Muon (Keller Jordan, 2024) for the param groups marked `muon`, AdamW for the others, in one optimizer:
+    one state_dict in the checkpoint and one learning rate for the schedule to set. A matrix's step is its
+    Nesterov momentum made orthogonal (orthogonalize): every singular value near 1, so the step moves every
+    direction of the matrix alike instead of the few that dominate its gradient. Scaled by 0.2 x sqrt(the
+    larger side) it has about AdamW's RMS per element, so one --lr serves both (torch.optim.Muon's
+    "match_rms_adamw"). Embedding, output layer and vectors stay with AdamW, as Muon's authors advise. Every
+    rank computes the same step from the same all-reduced gradient: no collective of its own, the replicas
+    stay identical. torch.optim.Muon (torch 2.9+) takes matrices only and would need an AdamW beside it."""
 
     def __init__(self, groups, lr, betas=(0.9, 0.95), momentum=0.95, eps=1e-8):
         super().__init__(groups, {"lr": lr, "betas": betas, "momentum": momentum, "eps": eps,
@@ -979,6 +923,19 @@ class NLPDataset(Dataset):
     def __getitem__(self, index):
         rows = self.data[torch.as_tensor(index, device=self.data.device)]
         return rows[..., :-1], rows[..., 1:]
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts (Windows.shift): moving the grid every epoch,
+    every position starts a window over the epochs, and the model sees each stretch of text under other
+    contexts, instead of the same blocks at the same places epoch after epoch. A function of (seed, epoch)
+    alone, so every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
+    cycle, place = divmod(epoch, block)
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 def check_values(args):
@@ -1055,9 +1012,8 @@ def generate(model, vocab, prompt, count, seed):
 def resolve_amp(amp, device):
     """--amp for this device: `auto` is bf16 where the GPU computes it natively, else fp16 (+ GradScaler)."""
     if device.type == "cpu":
-        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
-        # bf16 autocast ran no faster than fp32 there, because the casts and the
-        # element-wise work it adds cost what the faster matmuls save, and it is far
+        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process): bf16 autocast ran no
+        # faster than fp32, its casts and element-wise work costing what the faster matmuls save, and it is far
         # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
         return "off" if amp == "auto" else amp
     if amp == "auto":
@@ -1073,7 +1029,9 @@ def resolve_amp(amp, device):
     return amp
 
 
-# What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
+# What --compile's first step took. On 2 CPU processes (gloo, the default model, eager and compiled steps interleaved
+# in one launch) compiled steps ran at 0.8x eager's tokens/s in either order (wrap first 0.78-0.81x, compile first
+# 0.84-0.85x), the first compiling 54 s against 59 s from a cold cache, 22 s against 19 s warm: no order wins here.
 COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 
 
@@ -1095,7 +1053,8 @@ class Meter:
         self.device, self.block, self.compiling = device, args.block_size, COMPILE_TIME if args.compile else None
         self.memory, self.steps, self.left_out_s = Memory(device), 0, {"checkpoint": [], "evaluation": []}
         self.started, self.timed_from, self.stopped, self.first_step_s = None, None, None, 0.0
-        self.tokens, self.mark, self.excludes = 0, (0.0, 0), f"first step{' (compiling)' if self.compiling else ''} left out"
+        self.tokens, self.mark = 0, (0.0, 0)
+        self.excludes = f"first step{' (compiling)' if self.compiling else ''} left out"
 
     def start(self, model):
         """Before the first step: what a token costs, and the time its first step takes from here."""
@@ -1120,7 +1079,7 @@ class Meter:
 
     @contextlib.contextmanager
     def left_out(self, what):
-        """Time `what` (a checkpoint, an evaluation) and leave it out: once started, the clock starts that much later."""
+        """Time `what` (a checkpoint, an evaluation) and leave it out: the clock starts that much later."""
         start = time.perf_counter()
         yield
         self.left_out_s[what].append(time.perf_counter() - start)
@@ -1152,12 +1111,9 @@ class Meter:
 
 
 def flops_per_token(model, block):
-    """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
-
-    The embedding is a lookup, not a matmul, so its table is left out. The attention
-    term 12 x layers x width x block counts the full T x T score matrix, as the
-    estimate does; a causal kernel skips about half of it.
-    """
+    """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention. The
+    embedding is a lookup, not a matmul: its table is left out. The attention term 12 x layers x width x
+    block counts the full T x T score matrix, as the estimate does; a causal kernel skips about half of it."""
     matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
     width = model.embedding.embedding_dim
     return 6 * matmul_params + 12 * len(model.layers) * width * block
@@ -1213,16 +1169,11 @@ def peak_of(name, precision):
 
 
 class Memory:
-    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
-
-    The three are counted from this rank's tensors (a gradient is the size and dtype of its
-    parameter, held from the backward pass to the optimizer step). The peak is measured from
-    construction on, over the first two steps (the second is the first whose backward holds
-    the optimizer's state too): on an accelerator by torch's allocator (max_memory_allocated);
-    on the CPU, where torch keeps no such count (and the process's resident size holds the
-    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
-    allocation and free: the most bytes of tensors alive at once.
-    """
+    """This rank's bytes of parameters, gradients and optimizer state, counted from its tensors (a gradient
+    is the size and dtype of its parameter), and the peak measured from construction on over the first two
+    steps (the second's backward holds the optimizer's state too): on an accelerator by torch's allocator;
+    on the CPU, where torch keeps no such count (and the resident size holds the libraries and what malloc
+    keeps), by the profiler's record of every tensor allocation and free: the most bytes alive at once."""
 
     def __init__(self, device):
         self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
@@ -1257,7 +1208,6 @@ class Memory:
     def count(self, model, optimizer):
         """After the first step (AdamW makes its state then): this rank's bytes, gathered from every rank."""
         def size(t):
-            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
             return t.numel() * t.element_size()
         params = sum(size(p) for p in model.parameters())
         mine = torch.tensor([params, params, sum(size(t) for st in optimizer.state.values()
@@ -1280,12 +1230,10 @@ class Memory:
 
 
 def choose_split(global_batch, world, passed, usual):
-    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
-
-    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
-    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
-    that divides this process's share of the step, and as many micro-batches as that takes.
-    """
+    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None. What the user
+    passed (`passed`: batch_size and/or grad_accum) is kept; without either, the largest batch up to `usual`
+    (the checkpoint's, known to fit in memory) that divides a process's part of the step, and as many
+    micro-batches as that takes."""
     if global_batch % world:
         return None
     per_rank = global_batch // world  # windows per process per step
@@ -1302,13 +1250,10 @@ def choose_split(global_batch, world, passed, usual):
 
 
 def resume_at_another_world_size(args, state, world):
-    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
-    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
-
-    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
-    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
-    one, and the optimization (and the learning rate tuned for it) does not change under it.
-    """
+    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and --grad_accum
+    chosen from what the user did not pass (one line says so), or one error line. Why: step s of an epoch
+    trains positions [s x G, (s+1) x G) of its shuffled order at any world size, so with the same G a resumed
+    run trains the very batches of an uninterrupted one, and the optimization does not change under it."""
     wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
     split = choose_split(wanted, world, args.passed, usual)
     if split is None:
@@ -1379,7 +1324,8 @@ def describe(run, checkpoint):
 def report(run, vals, in_sync):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
     (first_val, val), args, meter, history, steps = vals, run.args, run.meter, run.losses, run.meter.steps
-    tokens_per_s, fpt, saves = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token, meter.left_out_s["checkpoint"]
+    saves = meter.left_out_s["checkpoint"]
+    tokens_per_s, fpt = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": run.device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
