@@ -611,9 +611,10 @@ class Run:
         self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
         self.total, self.epochs = run_length(self.steps_per_epoch, args)
         self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
-        # this invocation's: the epoch it ended in, the loss and windows of each epoch, the logged losses by step
+        # this invocation's: the epoch it ended in, each epoch's loss and windows, the logged losses by step; and
+        # this rank's (loss summed over tokens, tokens) since the epoch's start and since the last log line
         self.ended, self.losses, self.windows, self.logged = self.epoch, [], [], {}
-        self.epoch_loss, self.log_loss = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
+        self.epoch_total, self.log_total = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
         # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
         # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
         check_same_on_every_rank(self.step, "resume steps (0: not resumed)",
@@ -638,8 +639,7 @@ class Run:
         self.epoch, self.windows_in_epoch, self.step = state["epoch"], state["windows_in_epoch"], state["step"]
 
     def save(self, epoch):
-        """Rank 0 writes the place in global units: the windows of the epoch's order trained and the global
-        batch that trained them, so that any world size that keeps the global batch can continue."""
+        """Rank 0 writes where the run is in global units (windows of the epoch's order, the global batch)."""
         finished = self.windows_in_epoch == len(self.train_set)
         with self.meter.left_out("checkpoint"):
             if dist.get_rank() == 0:
@@ -663,13 +663,13 @@ class Run:
         """After step s of the epoch: the place and the losses, the log line, evaluation, a checkpoint every N steps."""
         args, n = self.args, len(self.train_set)
         self.step, self.windows_in_epoch = self.step + 1, min(n, (s + 1) * self.global_batch)
-        self.epoch_loss = (self.epoch_loss[0] + loss_sum, self.epoch_loss[1] + tokens)
-        self.log_loss = (self.log_loss[0] + loss_sum, self.log_loss[1] + tokens)
+        self.epoch_total = (self.epoch_total[0] + loss_sum, self.epoch_total[1] + tokens)
+        self.log_total = (self.log_total[0] + loss_sum, self.log_total[1] + tokens)
         self.meter.stepped(step_tokens, self.model, self.optimizer)
         where = f"{self.step}/{self.total}" if self.total < sys.maxsize else self.budget.where(self.step)
         if args.log_every and self.step % args.log_every == 0:
-            loss, _ = global_mean(*self.log_loss, self.device)  # .item(): the device has caught up
-            self.log_loss, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
+            loss, _ = global_mean(*self.log_total, self.device)  # .item(): the device has caught up
+            self.log_total, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
             print0(f"step {where} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
                    + self.meter.mfu_since_mark())
         if args.eval_every and self.step % args.eval_every == 0 and self.step < self.total:
@@ -681,7 +681,7 @@ class Run:
 
     def end_epoch(self, epoch, start, since):
         """The epoch's mean loss, its line and its checkpoint; returns whether --time_budget is spent."""
-        loss, tokens = global_mean(*self.epoch_loss, self.device)
+        loss, tokens = global_mean(*self.epoch_total, self.device)
         seconds, windows = time.perf_counter() - start, tokens // self.args.block_size
         self.losses.append(loss)
         self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
@@ -692,7 +692,7 @@ class Run:
                f"{self.steps_per_epoch} steps | {windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
                f"checkpoint {self.args.checkpoint}")
         # the next epoch starts at its beginning
-        self.ended, self.windows_in_epoch, self.epoch_loss = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
+        self.ended, self.windows_in_epoch, self.epoch_total = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
         return spent
 
 
@@ -713,7 +713,7 @@ def train(device, args, corpus, checkpoint):
         run.train_set.shift(window_offset(args.seed, epoch, args.block_size))  # and a new grid of windows
         first, start, since = run.windows_in_epoch // run.global_batch, time.perf_counter(), run.meter.reading()
         for s, windows, step_windows in epoch_steps(run.sampler, run.global_batch, first, device):
-            if s > first and (run.step >= run.total or run.budget.out_of_time()):  # the clock before every step
+            if s > first and (run.step >= run.total or run.budget.out_of_time()):  # the clock before every other step
                 break
             torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
             for group in run.optimizer.param_groups:  # the schedule's rate: by the step, or by the clock
