@@ -32,8 +32,6 @@ number whatever the text's length and the world size; `--epochs N` trains whole 
 instead (given both, whichever ends first). One step sees batch x grad_accum x world
 windows, so more ranks see more text in the same steps; the `model:` line says how many
 epochs of this text the steps make. The learning-rate warmup and decay are in steps too.
-`--time_budget SECONDS` ends the run by the clock instead, its warmup and decay spread over the
-seconds (`--preset cpu10` does: the recipe, and why a budget of time, in docs/ten_minutes.md).
 Each epoch cuts its training windows from another offset (window_offset), so that over the
 epochs every character starts a window, the same windows at any world size and on resume.
 
@@ -41,35 +39,27 @@ torch.compile with DDP (`--compile`): wrap first, then compile, `torch.compile(D
 as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at DDP's
 bucket boundaries, so a bucket's all-reduce starts while the backward pass of earlier
 layers still runs. nanoGPT compiles first, `DDP(torch.compile(model))`: DDP then sees one
-compiled backward that hands over every gradient at its end, and nothing overlaps.
-Measured on 2 CPU processes (gloo, the default model, eager and compiled steps
-interleaved in one launch): compiled steps ran at 0.8x eager's tokens/s in either order
-(wrap first 0.78-0.81x, compile first 0.84-0.85x), and the first step compiled for 54 s
-against 59 s from a cold cache, 22 s against 19 s warm. Nothing there picks an order, so
-the documented one: its overlap pays where the all-reduce takes time (GPUs, models of
-several 25 MB buckets; this one fits in one). On CPU, --compile shows how, not speed.
+compiled backward that hands over every gradient at its end, and nothing overlaps. The
+overlap pays where the all-reduce takes time (GPUs, several 25 MB buckets); on 2 CPU
+processes neither order was faster (the figures: COMPILE_TIME). On CPU it shows how, not speed.
 
 Over the seed this fixes the attention mask (the seed's hides the past and shows the
-future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead, on any
-device, and no mask is built on the CPU), trains on real text instead of constant
-rows, and adds what real training needs: AdamW (or Muon), gradient clipping, a warmup + cosine
-schedule, gradient accumulation with `no_sync()`, AMP, torch.compile, exact distributed
-validation, tokens/s, FLOP/s and MFU, and checkpoints that resume mid-epoch at any world
-size: the place in the epoch is counted in windows of the epoch's order, and the global
-batch is kept (see epoch_steps and keep_global_batch). Nearest sibling:
-ddp_gpus_torchrun.py (same launch and setup; a linear model instead of a Transformer).
-The robustness every script shares (errors, ports, timeouts, Ctrl-C, the replica
-check) is in the harness block at the end of the file, the same in every script.
+future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead), trains on
+real text instead of constant rows, and adds gradient accumulation with `no_sync()`, clipping,
+AdamW, a warmup + cosine schedule, AMP, torch.compile, exact distributed validation, and
+checkpoints that resume mid-epoch at any world size (the place counted in windows of the
+epoch's order: epoch_steps). Nearest sibling: ddp_gpus_torchrun.py (same launch and setup).
+Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+does not teach (--time_budget and --preset, Muon, the seed's toy run, tokens/s, MFU and memory,
+resuming at another world size, the printed summary); then the harness, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import atexit
 import contextlib
 import hashlib
 import math
 import os
-import re
 import sys
 import sysconfig
 import time
@@ -82,8 +72,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, DistributedSampler
 
-STARTED = time.perf_counter()  # the script's start (torch imported): --time_budget's clock counts from here
-
 # The default corpus: modules every CPython ships, read in this order, cut at a size
 # whose default run takes seconds on a 2-core CPU.
 STDLIB_MODULES = ("textwrap.py", "string.py", "heapq.py", "bisect.py", "queue.py",
@@ -95,47 +83,24 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
-# --preset cpu10: the best validation loss found for 10 minutes of wall clock on a 2-core CPU at 2 processes
-# (how it was chosen, and what it reached: docs/ten_minutes.md). A wall-clock budget ends it in time on a
-# slower or busier machine too, with fewer steps: the budget leaves a minute for start-up and validation.
-PRESETS = {"cpu10": {"time_budget": 540, "d_model": 192, "num_layers": 4, "num_heads": 4, "block_size": 128,
-                     "batch_size": 16, "optimizer": "muon", "lr": 8e-3, "weight_decay": 0.3, "warmup": 0.05,
-                     "lr_floor": 0.0, "dropout": 0.1, "amp": "bf16", "log_every": 200, "sample": 300}}
-# What --compile's first step took, measured on 2 CPU processes (the default model; see the docstring)
-COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpWithDefaults)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
     add_length_args(p)
     add_optimizer_args(p)
     add_data_args(p)
     add_model_args(p)
     add_run_args(p)
+    add_time_budget_args(p)  # beyond the lesson: --time_budget and --preset
+    add_meter_args(p)  # and --peak_tflops, for the MFU
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
-    # a preset is a set of defaults: the flags passed beside it still win
-    preset = p.parse_known_args(argv)[0].preset
-    if preset:
-        p.set_defaults(**PRESETS[preset])
+    use_preset(p, argv)  # a preset is a set of defaults: the flags passed beside it still win
     return p.parse_args(argv)
 
 
 def add_length_args(p):
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a recipe chosen by measurement, as defaults that the flags passed beside it override; "
-                        "cpu10: the best validation loss in 10 minutes of wall clock on a 2-core CPU at 2 "
-                        "processes (" + ", ".join(f"--{k} {v}" for k, v in PRESETS["cpu10"].items()) + ")")
-    p.add_argument("--time_budget", type=float, default=0, metavar="SECONDS",
-                   help="end the run SECONDS of wall clock after the script started: training stops early "
-                        "enough to leave the final validation and sample twice the first validation's time (the "
-                        "ranks agree on the slowest clock), with the learning rate's warmup "
-                        "and decay spread over the seconds from the first step to the end; --max_steps or --epochs "
-                        "end it first if given. The steps a budget buys depend on the machine's speed and load, "
-                        "so such a run, or its resume (which carries the seconds spent on), is not repeatable step "
-                        "for step; "
-                        "0: no budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
     p.add_argument("--max_steps", "--steps", type=int, default=None, metavar="N",
                    help=f"optimizer steps to train, counted from the first run (default: {MAX_STEPS} "
                         "on text unless --epochs is given, whatever the text's length and the world "
@@ -223,9 +188,6 @@ def add_run_args(p):
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint, at any world size: its global batch and its place in the "
                         "epoch are kept")
-    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
-                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
-                        "common GPUs, looked up by name; none on CPU)")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
@@ -258,18 +220,7 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
-    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
-                   "d_model", "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout", "peak_tflops")
-    for name in ("eval_every", "log_every", "sample", "save_every_steps", "time_budget"):
-        if getattr(args, name) < 0:
-            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
-    if args.d_model % args.num_heads:
-        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
-             "pass e.g. --d_model 128 --num_heads 4")
-    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0 \
-            or not 0 <= args.lr_floor <= 1:
-        fail("--warmup and --dropout must be in [0, 1), --lr_floor in [0, 1], --clip and --weight_decay 0 or more",
-             "e.g. --warmup 0.1 --dropout 0.1 --lr_floor 0.1 --clip 1 --weight_decay 0.1")
+    check_values(args)  # in range: one error line that names the fix
     check_folders(args.checkpoint, args.metrics)
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
@@ -298,27 +249,6 @@ def setup(args):
     return device
 
 
-def resolve_amp(amp, device):
-    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else fp16 (+ GradScaler)."""
-    if device.type == "cpu":
-        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
-        # bf16 autocast ran no faster than fp32 there, because the casts and the
-        # element-wise work it adds cost what the faster matmuls save, and it is far
-        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
-        return "off" if amp == "auto" else amp
-    if amp == "auto":
-        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
-        # on CUDA): before Ampere bf16 is emulated, slower than fp16 with a scaler
-        # agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients
-        # scaled by its GradScaler, to be averaged with another rank's unscaled bf16 ones
-        native = torch.tensor([int(bf16_supported(device))], device=device)
-        dist.all_reduce(native, op=dist.ReduceOp.MIN)
-        return "bf16" if native.item() else "fp16"  # fp16 with a GradScaler
-    if amp == "bf16" and not bf16_supported(device, emulated=True):
-        fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
-    return amp
-
-
 def cleanup():
     free_error_frames()  # DDP's reducer goes before the group it talks through
     dist.destroy_process_group()
@@ -338,11 +268,8 @@ def default_corpus():
 
 
 def read_corpus(args):
-    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts.
-
-    The vocabulary is the sorted string of the text's characters, so every rank that
-    reads the same text builds the same one; the toy data has the seed's 100 ids instead.
-    """
+    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts. The
+    vocabulary is the sorted string of the text's characters, so every rank builds the same one (toy: None)."""
     if args.dataset == "toy":
         return "", "the seed's toy rows (12 x 10, one token each)", None
     if args.data is None:
@@ -361,24 +288,12 @@ def read_corpus(args):
     return text, name, "".join(sorted(set(text)))
 
 
-def unigram_entropy(text):
-    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
-    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
-    p = counts / counts.sum()
-    return float(-(p * p.log()).sum())
-
-
 class Windows(Dataset):
     """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
-    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
-    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
-    that over the epochs every position starts a window and the model sees each stretch of text
-    under other contexts, instead of the same blocks at the same places epoch after epoch; the
-    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
-
-    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
-    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
-    DataLoader (and no per-sample Python) sits in the step.
+    window i is tokens[s : s + block + 1] with s = offset + i*block (the grid moves every epoch: see
+    window_offset; a window the shift pushes past the end is the text's last). `Tensor.unfold` makes
+    every start a view (no copy), and a tensor of window indices gathers a whole batch `(inputs,
+    targets)` at once: no DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
@@ -395,34 +310,6 @@ class Windows(Dataset):
     def __getitem__(self, index):
         index = torch.as_tensor(index, device=self.starts.device)
         rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
-        return rows[..., :-1], rows[..., 1:]
-
-
-def window_offset(seed, epoch, block):
-    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
-    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
-    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
-    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
-    def order(cycle):
-        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
-    cycle, place = divmod(epoch, block)
-    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
-
-
-class NLPDataset(Dataset):
-    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
-
-    def __init__(self, size, length, device="cpu"):
-        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
-
-    def shift(self, offset):
-        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
-        rows = self.data[torch.as_tensor(index, device=self.data.device)]
         return rows[..., :-1], rows[..., 1:]
 
 
@@ -448,10 +335,10 @@ def epoch_steps(sampler, global_batch, first=0, device="cpu"):
     # DistributedSampler pads the order to a multiple of W by repeating its first windows, as many as W
     # makes: cut them off (rank r's own positions are r, r+W, ... below n), so each is trained once
     mine = torch.tensor(list(sampler), dtype=torch.long, device=device)[:len(range(rank, n, world))]
-    share = global_batch // world
+    per_rank = global_batch // world
     for s in range(first, math.ceil(n / global_batch)):
         # the epoch's last step holds what is left: fewer windows, on some ranks maybe none
-        yield s, mine[s * share:(s + 1) * share], min(global_batch, n - s * global_batch)
+        yield s, mine[s * per_rank:(s + 1) * per_rank], min(global_batch, n - s * global_batch)
 
 
 def text_fingerprint(text):
@@ -462,12 +349,10 @@ def text_fingerprint(text):
 
 # ---------------------------------------------------------------- model
 def rotate(x):
-    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones added to the
-    embedding: channel pair i of the query or key at position t is turned by the angle t / 10000^(2i/d),
-    so the score of q_t and k_s depends on t - s, the distance, alone. No weights, nothing in the
-    checkpoint; on the CPU recipe (docs/ten_minutes.md) a lower validation loss at equal time. A head of
-    odd width (the seed's toy: 3) leaves its last channel as it is.
-    """
+    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones: channel pair i
+    of the query or key at position t is turned by the angle t / 10000^(2i/d), so the score of q_t and k_s
+    depends on t - s alone. No weights, nothing in the checkpoint; on the CPU recipe (docs/ten_minutes.md)
+    a lower validation loss at equal time. A head of odd width (the toy's 3) keeps its last channel."""
     length, half = x.size(-2), x.size(-1) // 2
     rate = 10000 ** -(torch.arange(half, device=x.device, dtype=torch.float) / half)
     angle = torch.outer(torch.arange(length, device=x.device, dtype=torch.float), rate)
@@ -477,13 +362,9 @@ def rotate(x):
 
 
 def causal_attention(q, k, v):
-    """Scaled dot-product attention in which position t attends to positions <= t only.
-
-    Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
-    `is_causal` is only a hint that still needs the T x T mask built and passed (torch 2.14's
-    multi_head_attention_forward raises without it), their weights have other names (every
-    checkpoint would change), and attention could not stay in fp32 under CPU bf16 autocast.
-    """
+    """Attention in which position t sees positions <= t only. Our own block, not torch's
+    nn.MultiheadAttention: there `is_causal` is only a hint that still needs the T x T mask (torch 2.14
+    raises without it), its weights have other names, and it could not stay fp32 under CPU bf16 autocast."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # torch's CPU flash-attention backward is several times slower in bf16 than in
         # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
@@ -570,13 +451,669 @@ def model_config(args, vocab):
             "dropout": args.dropout, "positions": "rotary"}
 
 
-def flops_per_token(model, block):
-    """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
+# ---------------------------------------------------------------- train / evaluate
+def make_optimizer(model, args):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
+    if args.optimizer == "muon":  # the blocks' matrices by Muon, the embedding and the output layer by AdamW
+        return make_muon(model, decay, rest, args)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
 
-    The embedding is a lookup, not a matmul, so its table is left out. The attention
-    term 12 x layers x width x block counts the full T x T score matrix, as the
-    estimate does; a causal kernel skips about half of it.
+
+def lr_at(step, total, args):
+    """Linear warmup over the first `warmup` of the run, then a cosine down to lr x --lr_floor.
+
+    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
+    they are built and keep a step count of their own in the checkpoint, while a run resumed
+    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
     """
+    warm = int(args.warmup * total)
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    return cosine_decay(min(1.0, (step - warm) / max(1, total - warm)), args)
+
+
+def cosine_decay(progress, args):
+    """The rate at `progress` (0 to 1) of the decay: from --lr down to lr x --lr_floor along a cosine."""
+    return args.lr * (args.lr_floor + (1 - args.lr_floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def autocast(device, amp):
+    """Mixed precision for the forward pass (and the loss); a no-op with --amp off."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def step_seed(seed, rank, step):
+    """The seed of one rank's random draws (dropout's masks) in one step: different on every rank (the same
+    masks on different data would be noise correlated across replicas), and a function of (seed, rank, step)
+    alone, so a resumed run draws what an uninterrupted one would have. The initial weights come from --seed
+    alone, and DDP broadcasts rank 0's anyway: the replicas start identical."""
+    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
+
+
+def train_step(model, optimizer, scaler, micro_batches, amp_context, clip, step_tokens=None):
+    """One optimizer step over K micro-batches; returns (sum of token losses, tokens) on the device.
+
+    The official way to accumulate under DDP is `model.no_sync()`: the first K-1 backward passes only
+    add into .grad locally, the K-th all-reduces the sum once. step_tokens: the step's tokens on all ranks
+    (default: this rank's x the world size). Each micro-batch's summed loss is divided by them and
+    multiplied by the world size, which DDP's average divides by again: one step on the mean over every
+    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
+    """
+    tokens = sum(y.numel() for _, y in micro_batches)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    scale = world / (step_tokens or tokens * world)
+    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
+    for i, (x, y) in enumerate(micro_batches):
+        sync = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else model.no_sync():
+            with amp_context:
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            scaler.scale(loss * scale).backward()
+        loss_sum += loss.detach()
+    if clip:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, tokens
+
+
+@torch.no_grad()
+def evaluate(model, dataset, indices, batch_size, amp_context):
+    """[sum of token losses, tokens] over `indices` of `dataset`, this rank only (no collective). Call it with
+    the unwrapped module: DDP's forward may talk to the other ranks, which may hold fewer batches."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for batch in torch.as_tensor(indices, dtype=torch.long).split(batch_size):
+        x, y = dataset[batch]
+        with amp_context:
+            logits = model(x)
+        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
+        totals[1] += y.numel()
+    model.train(was_training)
+    return totals
+
+
+# ---------------------------------------------------------------- checkpoint
+def read_checkpoint(args, corpus):
+    """The --resume checkpoint, read as data (never as code), for this model and this text; anything else is
+    one clear error before any process group exists (check_checkpoint: every value before it is used)."""
+    state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "config", "vocab", "epoch", "step",
+                                              "windows_in_epoch", "global_batch", "batch_size", "world_size"))
+    check_checkpoint(args, state, corpus)
+    return state
+
+
+# ---------------------------------------------------------------- the run
+def global_mean(loss_sum, count, device):
+    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
+    dist.all_reduce(totals)
+    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
+
+
+def run_length(steps_per_epoch, args):
+    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first
+    (neither, under --time_budget alone: no limit but the clock's)."""
+    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
+    if total == math.inf:
+        return sys.maxsize, sys.maxsize
+    return total, math.ceil(total / steps_per_epoch)
+
+
+def wrap(model, device, args):
+    """DDP around the model; with --compile, torch.compile around DDP (why this order: the docstring)."""
+    # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out
+    ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
+              gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
+    # dynamic: an epoch's last batch is shorter, and static shapes would compile everything again for it
+    return torch.compile(ddp, dynamic=True) if args.compile else ddp
+
+
+class Run:
+    """One run: the data, the model and its DDP wrap, the optimizer, and where the run is (train() steps it)."""
+
+    def __init__(self, device, args, corpus, checkpoint=None):
+        text, self.name, self.vocab = corpus
+        self.entropy = unigram_entropy(text) if self.vocab else None  # of a model that ignores context: a baseline
+        check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
+                                 "another Python version or file on another node? pass --data PATH on a "
+                                 "file system every node sees")
+        self.device, self.args, self.config = device, args, model_config(args, self.vocab)
+        torch.manual_seed(args.seed)
+        self.meter = Meter(device, args)  # tokens/s, MFU and memory: the memory's peak counts from here
+        self.model = Transformer(**self.config).to(device)  # the unwrapped module: evaluate, sample and save this one
+        self.optimizer = make_optimizer(self.model, args)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16 needs loss scaling
+        self.amp_context = autocast(device, args.amp)
+        self.train_set, self.val_set = build_data(args, text, self.vocab, device)
+        # where the run is: the epochs done, the windows of this epoch's shuffled order trained, optimizer steps
+        self.epoch, self.windows_in_epoch, self.step = 0, 0, 0
+        self.budget = TimeBudget(args, device, checkpoint)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        self.ddp = wrap(self.model, device, args)
+        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
+        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
+        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
+        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
+        self.total, self.epochs = run_length(self.steps_per_epoch, args)
+        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
+        # this invocation's: the epoch it ended in, each epoch's loss and windows, the logged losses by step; and
+        # this rank's (loss summed over tokens, tokens) since the epoch's start and since the last log line
+        self.ended, self.losses, self.windows, self.logged = self.epoch, [], [], {}
+        self.epoch_total, self.log_total = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
+        # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
+        # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
+        check_same_on_every_rank(self.step, "resume steps (0: not resumed)",
+                                 "every rank must read the same checkpoint: put --checkpoint on a file system every "
+                                 "node sees, or copy the newest one to every node")
+
+    def restore(self, state):
+        """Continue a checkpoint that read_checkpoint checked: weights, optimizer, loss scale, the place in the run."""
+        self.model.load_state_dict(state["model"])
+        ours = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        check_optimizer_state(self.args.checkpoint, state["optimizer"], self.optimizer,  # before the optimizer sees it
+                              f"--optimizer {self.args.optimizer}", "pass the --optimizer that wrote it, or delete it "
+                              "to start afresh")
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group, settings in zip(self.optimizer.param_groups, ours):
+            group.update(settings)  # this run's --weight_decay (and lr: the schedule's), not the checkpoint's
+        if self.scaler.is_enabled() and not state["scaler"]:
+            # written by a bf16 or fp32 run, whose disabled scaler saved nothing to load
+            print0(f"note: {self.args.checkpoint} holds no fp16 loss scale: the GradScaler starts afresh")
+        else:
+            self.scaler.load_state_dict(state["scaler"])  # a no-op when --amp is not fp16
+        self.epoch, self.windows_in_epoch, self.step = state["epoch"], state["windows_in_epoch"], state["step"]
+
+    def save(self, epoch):
+        """Rank 0 writes where the run is in global units (windows of the epoch's order, the global batch)."""
+        finished = self.windows_in_epoch == len(self.train_set)
+        with self.meter.left_out("checkpoint"):
+            if dist.get_rank() == 0:
+                save_checkpoint({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                                 "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
+                                 "text": self.args.fingerprint, "epoch": epoch + 1 if finished else epoch,
+                                 "step": self.step, "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                                 "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                                 "schedule": self.schedule, **self.budget.saved()},
+                                self.args.checkpoint)  # save_checkpoint adds the world size and the job
+            dist.barrier()  # nobody reads the checkpoint before it is complete
+
+    def validate(self):
+        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
+        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
+        totals = evaluate(self.model, self.val_set, indices, self.args.batch_size, self.amp_context)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    def stepped(self, epoch, s, loss_sum, tokens, step_tokens):
+        """After step s of the epoch: the place and the losses, the log line, evaluation, a checkpoint every N steps."""
+        args, n = self.args, len(self.train_set)
+        self.step, self.windows_in_epoch = self.step + 1, min(n, (s + 1) * self.global_batch)
+        self.epoch_total = (self.epoch_total[0] + loss_sum, self.epoch_total[1] + tokens)
+        self.log_total = (self.log_total[0] + loss_sum, self.log_total[1] + tokens)
+        self.meter.stepped(step_tokens, self.model, self.optimizer)
+        where = f"{self.step}/{self.total}" if self.total < sys.maxsize else self.budget.where(self.step)
+        if args.log_every and self.step % args.log_every == 0:
+            loss, _ = global_mean(*self.log_total, self.device)  # .item(): the device has caught up
+            self.log_total, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
+            print0(f"step {where} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+                   + self.meter.mfu_since_mark())
+        if args.eval_every and self.step % args.eval_every == 0 and self.step < self.total:
+            with self.meter.left_out("evaluation"):
+                print0(f"step {where} | validation loss {self.validate():.4f}")
+        if args.save_every_steps and self.step % args.save_every_steps == 0 \
+                and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
+            self.save(epoch)
+
+    def end_epoch(self, epoch, start, since):
+        """The epoch's mean loss, its line and its checkpoint; returns whether --time_budget is spent."""
+        loss, tokens = global_mean(*self.epoch_total, self.device)
+        seconds, windows = time.perf_counter() - start, tokens // self.args.block_size
+        self.losses.append(loss)
+        self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
+        spent = self.budget.out_of_time()  # before the save: a run ended by the clock saves the seconds that ended it
+        self.save(epoch)
+        of = f"/{self.epochs}" if self.epochs < sys.maxsize else ""  # none under --time_budget alone
+        print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {math.ceil(self.windows_in_epoch / self.global_batch)}/"
+               f"{self.steps_per_epoch} steps | {windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
+               f"checkpoint {self.args.checkpoint}")
+        # the next epoch starts at its beginning
+        self.ended, self.windows_in_epoch, self.epoch_total = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
+        return spent
+
+
+def train(device, args, corpus, checkpoint):
+    """Train to --max_steps (or --epochs, or the --time_budget's end), validating before and after, then sample;
+    returns whether the replicas agree."""
+    run = Run(device, args, corpus, checkpoint)  # the data, the model in DDP, the optimizer: at the checkpoint's place
+    describe(run, checkpoint)  # the data:, model: and start lines
+    with run.budget.reserve_for_the_end():  # twice this validation's seconds: the last one and the sample fit
+        first_val = run.validate()
+    print0(f"validation loss {first_val:.4f} before training")
+    run.meter.start(run.model)
+    out_of_time = run.budget.out_of_time()  # the clock before the first step
+    for epoch in range(run.epoch, run.epochs):
+        if run.step >= run.total or out_of_time:  # no epoch of no step
+            break
+        run.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        run.train_set.shift(window_offset(args.seed, epoch, args.block_size))  # and a new grid of windows
+        first, start, since = run.windows_in_epoch // run.global_batch, time.perf_counter(), run.meter.reading()
+        for s, windows, step_windows in epoch_steps(run.sampler, run.global_batch, first, device):
+            if s > first and (run.step >= run.total or run.budget.out_of_time()):  # the clock before every other step
+                break
+            torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
+            for group in run.optimizer.param_groups:  # the schedule's rate: by the step, or by the clock
+                group["lr"] = run.budget.lr() if args.time_budget else lr_at(run.step, run.schedule, args)
+            micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
+            step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
+            loss_sum, tokens = train_step(run.ddp, run.optimizer, run.scaler, micro_batches, run.amp_context,
+                                          args.clip, step_tokens)
+            run.stepped(epoch, s, loss_sum, tokens, step_tokens)  # the log line, evaluation, checkpoints
+        out_of_time = run.end_epoch(epoch, start, since)  # its loss, its line and its checkpoint
+    run.meter.stop()
+    val = run.validate()
+    if args.sample and run.vocab and dist.get_rank() == 0:
+        text = generate(run.model, run.vocab, "\n" if "\n" in run.vocab else run.vocab[0], args.sample, args.seed)
+        print0(f"sample ({args.sample} characters):\n{text}", every_rank=True)
+    in_sync = replicas_in_sync(run.model, device)
+    report(run, (first_val, val), in_sync)
+    return in_sync
+
+
+# ---------------------------------------------------------------- main
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    corpus = read_corpus(args)
+    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
+    # a bad checkpoint is refused (one line) before any process group exists
+    checkpoint = read_checkpoint(args, corpus) if args.resume else None
+    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
+        resume_at_another_world_size(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
+            in_sync = train(device, args, corpus, checkpoint)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# ---- beyond the lesson: time budgets and presets, Muon, the toy run, MFU and memory, resuming elsewhere, reports ----
+import atexit
+import re
+
+STARTED = time.perf_counter()  # the script's start (torch imported): --time_budget's clock counts from here
+# --preset cpu10: the best validation loss found for 10 minutes of wall clock on a 2-core CPU at 2 processes
+# (how it was chosen, and what it reached: docs/ten_minutes.md). A wall-clock budget ends it in time on a
+# slower or busier machine too, with fewer steps: the budget leaves a minute for start-up and validation.
+PRESETS = {"cpu10": {"time_budget": 540, "d_model": 192, "num_layers": 4, "num_heads": 4, "block_size": 128,
+                     "batch_size": 16, "optimizer": "muon", "lr": 8e-3, "weight_decay": 0.3, "warmup": 0.05,
+                     "lr_floor": 0.0, "dropout": 0.1, "amp": "bf16", "log_every": 200, "sample": 300}}
+
+
+def add_time_budget_args(p):
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a recipe chosen by measurement, as defaults that the flags passed beside it override; "
+                        "cpu10: the best validation loss in 10 minutes of wall clock on a 2-core CPU at 2 "
+                        "processes (" + ", ".join(f"--{k} {v}" for k, v in PRESETS["cpu10"].items()) + ")")
+    p.add_argument("--time_budget", type=float, default=0, metavar="SECONDS",
+                   help="end the run SECONDS of wall clock after the script started: training stops early "
+                        "enough to leave the final validation and sample twice the first validation's time (the "
+                        "ranks agree on the slowest clock), with the learning rate's warmup and decay spread over "
+                        "the seconds from the first step to the end; --max_steps or --epochs end it first if given. "
+                        "The steps a budget buys depend on the machine's speed and load, so such a run, or its "
+                        "resume (which carries the seconds spent on), is not repeatable step for step; 0: no "
+                        "budget (--preset cpu10 --time_budget 0 --max_steps N: the recipe, repeatable)")
+
+
+def use_preset(p, argv):
+    """A preset is a set of defaults: the flags passed beside it still win."""
+    p.set_defaults(**PRESETS.get(p.parse_known_args(argv)[0].preset, {}))
+
+
+def lr_at_fraction(fraction, args):
+    """--time_budget's schedule: lr_at's warmup and cosine, along the fraction of the budget spent."""
+    if fraction < args.warmup:
+        return args.lr * max(fraction, 1e-4) / args.warmup
+    return cosine_decay(min(1.0, (fraction - args.warmup) / (1 - args.warmup)), args)
+
+
+class TimeBudget:
+    """--time_budget: the run ends by the clock, its warmup and decay spread over the seconds (--preset cpu10
+    does: the recipe, and why a budget of time, in docs/ten_minutes.md). The seconds kept for the last
+    validation and the sample count as spent, so the whole run ends in time. The ranks agree on the slowest
+    clock (an all-reduce of one number a step), or they would use different rates and stop at different
+    steps. The schedule spans the seconds from the first step on: start-up and the first validation take
+    nothing from its warmup. A checkpoint carries the seconds spent on. No budget: never spent, no collective."""
+
+    def __init__(self, args, device, checkpoint=None):
+        self.args, self.device, checkpoint = args, device, checkpoint or {}
+        self.spent_before = checkpoint.get("budget_spent_s", 0.0)  # by the runs before this one
+        self.budget_from = checkpoint.get("budget_from_s")  # the clock at the first step of the first run
+        self.spent, self.fraction, self.reserve = 0.0, 0.0, 0.0  # reserve: kept for what follows training
+
+    @contextlib.contextmanager
+    def reserve_for_the_end(self):
+        """Keep twice the seconds this block takes (the first validation) for the last validation and the sample."""
+        start = time.perf_counter()
+        yield
+        self.reserve = 2 * (time.perf_counter() - start)
+
+    def out_of_time(self):
+        """Read the clock (agreed by the ranks): whether the budget is spent."""
+        if not self.args.time_budget:
+            return False
+        spent = torch.tensor([self.seconds_spent()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        self.spent = spent.item()
+        if self.budget_from is None:
+            self.budget_from = self.spent
+        self.fraction = (self.spent - self.budget_from) / max(self.args.time_budget - self.budget_from, 1e-9)
+        return self.spent >= self.args.time_budget
+
+    def lr(self):
+        return lr_at_fraction(self.fraction, self.args)
+
+    def where(self, step):
+        """`120 (at 231/540 s)`: a run under --time_budget alone has no last step to count to."""
+        return f"{step} (at {self.spent:.0f}/{self.args.time_budget:g} s)"
+
+    def saved(self):
+        """What a checkpoint carries on: the seconds spent, with those kept for the end (a resumed run keeps its own),
+        and at least the ranks' agreed clock (rank 0's may be behind the slowest one's)."""
+        return {"budget_spent_s": max(self.spent, self.seconds_spent()), "budget_from_s": self.budget_from}
+
+    def seconds_spent(self):  # by this rank's clock: the runs before, this one, and the seconds kept for the end
+        return self.spent_before + time.perf_counter() - STARTED + self.reserve
+
+    def say_if_spent(self):
+        if self.args.time_budget:
+            budget = self.args.time_budget if self.args.time_budget % 1 else int(self.args.time_budget)  # `540`
+            say_if_nothing_left(self.args.checkpoint, "second", round(self.spent_before), "--time_budget", budget)
+
+
+def make_muon(model, decay, rest, args):
+    """--optimizer muon: the blocks' matrices by Muon, the rest by AdamW (with the same weight decay)."""
+    blocks = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
+    taken = {id(p) for p in blocks}
+    return Muon([{"params": blocks, "muon": True, "weight_decay": args.weight_decay},
+                 {"params": [p for p in decay if id(p) not in taken], "weight_decay": args.weight_decay},
+                 {"params": rest, "weight_decay": 0.0}], lr=args.lr)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Keller Jordan, 2024) for the param groups marked `muon`, AdamW for the others, in one optimizer:
+    one state_dict in the checkpoint and one learning rate for the schedule to set. A matrix's step is its
+    Nesterov momentum made orthogonal (orthogonalize): every singular value near 1, so the step moves every
+    direction of the matrix alike instead of the few that dominate its gradient. Scaled by 0.2 x sqrt(the
+    larger side) it has about AdamW's RMS per element, so one --lr serves both (torch.optim.Muon's
+    "match_rms_adamw"). Embedding, output layer and vectors stay with AdamW, as Muon's authors advise. Every
+    rank computes the same step from the same all-reduced gradient: no collective of its own, the replicas
+    stay identical. torch.optim.Muon (torch 2.9+) takes matrices only and would need an AdamW beside it."""
+
+    def __init__(self, groups, lr, betas=(0.9, 0.95), momentum=0.95, eps=1e-8):
+        super().__init__(groups, {"lr": lr, "betas": betas, "momentum": momentum, "eps": eps,
+                                  "weight_decay": 0.0, "muon": False})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, decay, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
+            for p in (p for p in group["params"] if p.grad is not None):
+                grad, state = p.grad, self.state[p]
+                if decay:
+                    p.mul_(1 - lr * decay)  # decoupled weight decay, as AdamW's
+                if group["muon"]:
+                    momentum = state.setdefault("momentum", torch.zeros_like(p))
+                    momentum.lerp_(grad, 1 - group["momentum"])
+                    step = orthogonalize(grad.lerp(momentum, group["momentum"]))  # Nesterov
+                    p.add_(step.to(p.dtype), alpha=-lr * 0.2 * max(p.shape) ** 0.5)
+                    continue
+                if not state:
+                    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                t = state["step"].item()
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                scale = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], scale, value=-lr / (1 - beta1 ** t))
+
+
+def orthogonalize(g, steps=5):
+    """About U V^T of g = U S V^T: Muon's quintic Newton-Schulz iteration, in bf16 (its coefficients
+    push every singular value into about [0.7, 1.2] in 5 steps; exactness does not help, per its authors)."""
+    x = g.bfloat16()
+    x = x.T if g.size(0) > g.size(1) else x  # the smaller Gram matrix
+    x = x / (x.norm() + 1e-7)  # singular values at most 1
+    for _ in range(steps):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+class NLPDataset(Dataset):
+    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
+
+    def __init__(self, size, length, device="cpu"):
+        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def shift(self, offset):
+        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        rows = self.data[torch.as_tensor(index, device=self.data.device)]
+        return rows[..., :-1], rows[..., 1:]
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts (Windows.shift): moving the grid every epoch,
+    every position starts a window over the epochs, and the model sees each stretch of text under other
+    contexts, instead of the same blocks at the same places epoch after epoch. A function of (seed, epoch)
+    alone, so every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
+    cycle, place = divmod(epoch, block)
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
+
+
+def check_values(args):
+    """The flags' values in range, or one error line that names the fix."""
+    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+                   "d_model", "num_heads", "d_ff", "num_layers", "bucket_cap_mb", "timeout", "peak_tflops")
+    for name in ("eval_every", "log_every", "sample", "save_every_steps", "time_budget"):
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
+    if args.d_model % args.num_heads:
+        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
+             "pass e.g. --d_model 128 --num_heads 4")
+    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0 \
+            or not 0 <= args.lr_floor <= 1:
+        fail("--warmup and --dropout must be in [0, 1), --lr_floor in [0, 1], --clip and --weight_decay 0 or more",
+             "e.g. --warmup 0.1 --dropout 0.1 --lr_floor 0.1 --clip 1 --weight_decay 0.1")
+
+
+def check_checkpoint(args, state, corpus):
+    """Every value of a checkpoint checked before it is used: the counts are integers in range, the weights this
+    model's tensors, the text the one it was trained on (its fingerprint)."""
+    text, _, vocab = corpus
+    if not isinstance(state["vocab"], (str, type(None))) or not isinstance(state["config"], dict):
+        fail(f"{args.checkpoint} is not a checkpoint of this script (its vocab or config is not one)",
+             "delete it to start afresh", every_node=True)
+    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
+        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab'] or ''), 'symbol')}; "
+             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
+    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
+        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
+             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
+             "to start afresh")
+    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
+    # a step trains at most the epoch: beyond it, micro-batches of nothing (65,536 on 178 windows: 120 s a step)
+    ranges = {"epoch": (0, 2 ** 48), "step": (0, 2 ** 48), "windows_in_epoch": (0, windows - 1),
+              "global_batch": (1, windows), "world_size": (1, 2 ** 24)}
+    bad = [k for k, (low, high) in ranges.items() if type(state[k]) is not int or not low <= state[k] <= high]
+    if not bad and (type(state["batch_size"]) is not int or not 1 <= state["batch_size"] <= state["global_batch"]):
+        bad = ["batch_size"]
+    if state.get("schedule") is not None and (type(state["schedule"]) is not int or not 0 < state["schedule"] < 2 ** 48):
+        bad.append("schedule")
+    bad += [k for k in ("budget_spent_s", "budget_from_s") if state.get(k) is not None and
+            (type(state[k]) not in (int, float) or not 0 <= state[k] < 2 ** 48)]  # nan fails the range too
+    if bad:
+        fail(f"{args.checkpoint} is not a checkpoint of this script ({', '.join(bad)} out of range for this text)",
+             "delete it to start afresh, or pass the --data it was trained on", every_node=True)
+    config = model_config(args, vocab)
+    differ = sorted(k for k in config if state["config"].get(k) != config[k])
+    if differ:
+        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
+             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
+             "pass the same model sizes as the run that wrote it")
+    with torch.device("meta"):  # the shapes only: no memory for weights
+        check_and_load_weights(args.checkpoint, state, Transformer(**config))
+
+
+@torch.no_grad()
+def generate(model, vocab, prompt, count, seed):
+    """Sample `count` characters after `prompt` (rank 0 only: no collective may run in here)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(count):
+        logits = model(ids[:, -model.max_len:])[0, -1].float()
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    model.train(was_training)
+    return "".join(vocab[i] for i in ids[0].tolist())
+
+
+def resolve_amp(amp, device):
+    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else fp16 (+ GradScaler)."""
+    if device.type == "cpu":
+        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process): bf16 autocast ran no
+        # faster than fp32, its casts and element-wise work costing what the faster matmuls save, and it is far
+        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
+        return "off" if amp == "auto" else amp
+    if amp == "auto":
+        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
+        # on CUDA): before Ampere bf16 is emulated, slower than fp16 with a scaler
+        # agreed by every rank (a job over two kinds of GPU): a rank in fp16 would hand DDP gradients
+        # scaled by its GradScaler, to be averaged with another rank's unscaled bf16 ones
+        native = torch.tensor([int(bf16_supported(device))], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        return "bf16" if native.item() else "fp16"  # fp16 with a GradScaler
+    if amp == "bf16" and not bf16_supported(device, emulated=True):
+        fail(f"this {device.type} device does not support bf16", "use --amp fp16", every_node=True)
+    return amp
+
+
+# What --compile's first step took. On 2 CPU processes (gloo, the default model, eager and compiled steps interleaved
+# in one launch) compiled steps ran at 0.8x eager's tokens/s in either order (wrap first 0.78-0.81x, compile first
+# 0.84-0.85x), the first compiling 54 s against 59 s from a cold cache, 22 s against 19 s warm: no order wins here.
+COMPILE_TIME = "about 55 s on 2 CPU processes from a cold compile cache, 20 s warm"
+
+
+def add_meter_args(p):
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
+                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
+                        "common GPUs, looked up by name; none on CPU)")
+
+
+class Meter:
+    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
+    of the first optimizer step (it allocates, and with --compile compiles) to stop(), less the seconds
+    left_out() (evaluation, checkpoints): every rate printed, and the metrics', counts this way. And this
+    rank's memory (class Memory), from construction (before the model is built) on."""
+
+    def __init__(self, device, args):
+        peak, self.peak_source = device_peak(args, device)
+        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
+        self.device, self.block, self.compiling = device, args.block_size, COMPILE_TIME if args.compile else None
+        self.memory, self.steps, self.left_out_s = Memory(device), 0, {"checkpoint": [], "evaluation": []}
+        self.started, self.timed_from, self.stopped, self.first_step_s = None, None, None, 0.0
+        self.tokens, self.mark = 0, (0.0, 0)
+        self.excludes = f"first step{' (compiling)' if self.compiling else ''} left out"
+
+    def start(self, model):
+        """Before the first step: what a token costs, and the time its first step takes from here."""
+        self.flops_per_token, self.started = flops_per_token(model, self.block), time.perf_counter()
+        if self.compiling:  # otherwise the first step is a minute of silence
+            print0(f"compiling: the first step compiles the model before it trains ({self.compiling}); "
+                   "tokens/s and MFU leave it out")
+
+    def stepped(self, tokens, model, optimizer):
+        """After each optimizer step: the first one starts the clock (the device caught up)."""
+        self.steps += 1
+        self.memory.after_step(self.steps, model, optimizer)
+        if self.timed_from is not None:
+            self.tokens += tokens
+            return
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        self.timed_from = time.perf_counter()
+        self.first_step_s = self.timed_from - self.started
+        if self.compiling:
+            print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
+
+    @contextlib.contextmanager
+    def left_out(self, what):
+        """Time `what` (a checkpoint, an evaluation) and leave it out: the clock starts that much later."""
+        start = time.perf_counter()
+        yield
+        self.left_out_s[what].append(time.perf_counter() - start)
+        if self.timed_from is not None:
+            self.timed_from += self.left_out_s[what][-1]
+
+    def stop(self):
+        self.stopped = time.perf_counter()
+
+    def reading(self):  # (seconds, tokens) timed so far
+        if self.timed_from is None:
+            return 0.0, 0
+        return (self.stopped or time.perf_counter()) - self.timed_from, self.tokens
+
+    def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
+        seconds, tokens = now[0] - since[0], now[1] - since[1]
+        rate = tokens / seconds if seconds > 0 else 0.0
+        return rate, f" | MFU {100 * rate * self.flops_per_token / self.peak:.2f}%" if self.peak and seconds > 0 else ""
+
+    def rate_since(self, since):
+        """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
+        rate, mfu = self.rate(since, self.reading())
+        note = f" ({self.excludes})" if since == (0.0, 0) else " (no compiling in it)" if self.compiling else ""
+        return f"{rate:.0f} tokens/s{note}{mfu}"
+
+    def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
+        since, self.mark = self.mark, self.reading()
+        return self.rate(since, self.mark)[1] if self.mark[1] else ""
+
+
+def flops_per_token(model, block):
+    """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention. The
+    embedding is a lookup, not a matmul: its table is left out. The attention term 12 x layers x width x
+    block counts the full T x T score matrix, as the estimate does; a causal kernel skips about half of it."""
     matmul_params = sum(p.numel() for p in model.parameters()) - model.embedding.weight.numel()
     width = model.embedding.embedding_dim
     return 6 * matmul_params + 12 * len(model.layers) * width * block
@@ -631,555 +1168,12 @@ def peak_of(name, precision):
     return None, f"no peak is known for {name}"
 
 
-# ---------------------------------------------------------------- train / evaluate
-def make_optimizer(model, args):
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr)
-    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
-    if args.optimizer == "muon":  # the blocks' matrices by Muon, the embedding and the output layer by AdamW
-        blocks = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
-        taken = {id(p) for p in blocks}
-        decay = [p for p in decay if id(p) not in taken]
-        return Muon([{"params": blocks, "muon": True, "weight_decay": args.weight_decay},
-                     {"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                    lr=args.lr)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon (Keller Jordan, 2024) for the param groups marked `muon`, AdamW for the others, in one
-    optimizer: one state_dict in the checkpoint and one learning rate for the schedule to set.
-
-    A matrix's step is its Nesterov momentum made orthogonal (orthogonalize): every singular
-    value near 1, so the step moves every direction of the matrix alike instead of the few that
-    dominate its gradient. Scaled by 0.2 x sqrt(the larger side) it has about AdamW's RMS per
-    element, so one --lr serves both kinds (torch.optim.Muon's "match_rms_adamw"). Embedding,
-    output layer and vectors stay with AdamW, as Muon's authors advise. Every rank computes the
-    same step from the same all-reduced gradient: no collective of its own, and the replicas stay
-    identical. torch.optim.Muon (torch 2.9+) takes matrices only and would need an AdamW beside it.
-    """
-
-    def __init__(self, groups, lr, betas=(0.9, 0.95), momentum=0.95, eps=1e-8):
-        super().__init__(groups, {"lr": lr, "betas": betas, "momentum": momentum, "eps": eps,
-                                  "weight_decay": 0.0, "muon": False})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            lr, decay, (beta1, beta2) = group["lr"], group["weight_decay"], group["betas"]
-            for p in (p for p in group["params"] if p.grad is not None):
-                grad, state = p.grad, self.state[p]
-                if decay:
-                    p.mul_(1 - lr * decay)  # decoupled weight decay, as AdamW's
-                if group["muon"]:
-                    momentum = state.setdefault("momentum", torch.zeros_like(p))
-                    momentum.lerp_(grad, 1 - group["momentum"])
-                    step = orthogonalize(grad.lerp(momentum, group["momentum"]))  # Nesterov
-                    p.add_(step.to(p.dtype), alpha=-lr * 0.2 * max(p.shape) ** 0.5)
-                    continue
-                if not state:
-                    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                state["step"] += 1
-                t = state["step"].item()
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                scale = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                p.addcdiv_(state["exp_avg"], scale, value=-lr / (1 - beta1 ** t))
-
-
-def orthogonalize(g, steps=5):
-    """About U V^T of g = U S V^T: Muon's quintic Newton-Schulz iteration, in bf16 (its coefficients
-    push every singular value into about [0.7, 1.2] in 5 steps; exactness does not help, per its authors)."""
-    x = g.bfloat16()
-    x = x.T if g.size(0) > g.size(1) else x  # the smaller Gram matrix
-    x = x / (x.norm() + 1e-7)  # singular values at most 1
-    for _ in range(steps):
-        a = x @ x.T
-        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
-    return x.T if g.size(0) > g.size(1) else x
-
-
-def lr_at(step, total, args):
-    """Linear warmup over the first `warmup` of the run, then a cosine down to lr x --lr_floor.
-
-    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
-    they are built and keep a step count of their own in the checkpoint, while a run resumed
-    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
-    """
-    warm = int(args.warmup * total)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    return cosine_decay(min(1.0, (step - warm) / max(1, total - warm)), args)
-
-
-def cosine_decay(progress, args):
-    """The rate at `progress` (0 to 1) of the decay: from --lr down to lr x --lr_floor along a cosine."""
-    return args.lr * (args.lr_floor + (1 - args.lr_floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def note_schedule(saved, schedule, step, args):
-    """On a resume: one line when the schedule's length is not the one the checkpoint followed (a larger
-    --max_steps stretches it, and the rate climbs back up), naming --lr_decay_steps, which keeps it."""
-    if saved is None or saved == schedule:  # a checkpoint from before the length was saved says nothing
-        return
-    print0(f"note: the learning-rate schedule is now {schedule} steps long, the checkpoint's was {saved}: at "
-           f"step {step} the rate is {lr_at(step, schedule, args):.2e} instead of {lr_at(step, saved, args):.2e} "
-           f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
-
-
-def lr_at_share(share, args):
-    """--time_budget's schedule: lr_at's warmup and cosine, along the share of the budget spent."""
-    if share < args.warmup:
-        return args.lr * max(share, 1e-4) / args.warmup
-    return cosine_decay(min(1.0, (share - args.warmup) / (1 - args.warmup)), args)
-
-
-def autocast(device, amp):
-    """Mixed precision for the forward pass (and the loss); a no-op with --amp off."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def step_seed(seed, rank, step):
-    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
-    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
-    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
-    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
-    and DDP broadcasts rank 0's anyway: the replicas start identical."""
-    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
-
-
-def train_step(model, optimizer, scaler, micro_batches, amp, clip, step_tokens=None):
-    """One optimizer step over K micro-batches; returns (sum of token losses, tokens) on the device.
-
-    The official way to accumulate under DDP is `model.no_sync()`: the first K-1
-    backward passes only add into .grad locally, the K-th all-reduces the sum once.
-    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
-    Each micro-batch's summed loss is divided by them and multiplied by the world size,
-    which DDP's average divides by again: the step is one step on the mean over every token
-    of the global batch, also where the ranks hold unequal shares (an epoch's last step).
-    """
-    tokens = sum(y.numel() for _, y in micro_batches)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    scale = world / (step_tokens or tokens * world)
-    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
-    for i, (x, y) in enumerate(micro_batches):
-        sync = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if sync else model.no_sync():
-            with amp:
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            scaler.scale(loss * scale).backward()
-        loss_sum += loss.detach()
-    if clip:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, tokens
-
-
-@torch.no_grad()
-def evaluate(model, dataset, indices, batch_size, amp):
-    """[sum of token losses, tokens] over `indices` of `dataset`, this rank only (no collective).
-
-    Call it with the unwrapped module: DDP's forward may talk to the other ranks,
-    and ranks can hold a different number of validation batches.
-    """
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for batch in torch.as_tensor(indices, dtype=torch.long).split(batch_size):
-        x, y = dataset[batch]
-        with amp:
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
-        totals[1] += y.numel()
-    model.train(was_training)
-    return totals
-
-
-@torch.no_grad()
-def generate(model, vocab, prompt, count, seed):
-    """Sample `count` characters after `prompt` (rank 0 only: no collective may run in here)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for _ in range(count):
-        logits = model(ids[:, -model.max_len:])[0, -1].float()
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    model.train(was_training)
-    return "".join(vocab[i] for i in ids[0].tolist())
-
-
-# ---------------------------------------------------------------- checkpoint
-def read_checkpoint(args, corpus):
-    """The --resume checkpoint, for this model and this text; anything else is one clear error.
-    Every value is checked before it is used: the counts are integers in range, the weights this
-    model's tensors, the text the one it was trained on (its fingerprint)."""
-    text, _, vocab = corpus
-    state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scaler", "config", "vocab", "epoch", "step",
-                                              "windows_in_epoch", "global_batch", "batch_size", "world_size"))
-    if not isinstance(state["vocab"], (str, type(None))) or not isinstance(state["config"], dict):
-        fail(f"{args.checkpoint} is not a checkpoint of this script (its vocab or config is not one)",
-             "delete it to start afresh", every_node=True)
-    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
-        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab'] or ''), 'symbol')}; "
-             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
-    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
-        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
-             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
-             "to start afresh")
-    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
-    # a step trains at most the epoch: beyond it, micro-batches of nothing (65,536 on 178 windows: 120 s a step)
-    ranges = {"epoch": (0, 2 ** 48), "step": (0, 2 ** 48), "windows_in_epoch": (0, windows - 1),
-              "global_batch": (1, windows), "world_size": (1, 2 ** 24)}
-    bad = [k for k, (low, high) in ranges.items() if type(state[k]) is not int or not low <= state[k] <= high]
-    if not bad and (type(state["batch_size"]) is not int or not 1 <= state["batch_size"] <= state["global_batch"]):
-        bad = ["batch_size"]
-    if state.get("schedule") is not None and (type(state["schedule"]) is not int or not 0 < state["schedule"] < 2 ** 48):
-        bad.append("schedule")
-    bad += [k for k in ("budget_spent_s", "budget_from_s") if state.get(k) is not None and
-            (type(state[k]) not in (int, float) or not 0 <= state[k] < 2 ** 48)]  # nan fails the range too
-    if bad:
-        fail(f"{args.checkpoint} is not a checkpoint of this script ({', '.join(bad)} out of range for this text)",
-             "delete it to start afresh, or pass the --data it was trained on", every_node=True)
-    config = model_config(args, vocab)
-    differ = sorted(k for k in config if state["config"].get(k) != config[k])
-    if differ:
-        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
-             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
-             "pass the same model sizes as the run that wrote it")
-    with torch.device("meta"):  # the shapes only: no memory for weights
-        check_and_load_weights(args.checkpoint, state, Transformer(**config))
-    return state
-
-
-def choose_split(global_batch, world, passed, usual):
-    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
-
-    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
-    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
-    that divides this process's share of the step, and as many micro-batches as that takes.
-    """
-    if global_batch % world:
-        return None
-    share = global_batch // world  # windows per process per step
-    if "batch_size" in passed:
-        batches = [passed["batch_size"]]
-    elif "grad_accum" in passed:
-        batches = [share // passed["grad_accum"]]
-    else:
-        batches = range(min(usual, share), 0, -1)
-    for batch in batches:
-        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
-            return batch, share // batch
-    return None
-
-
-def keep_global_batch(args, state, world):
-    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
-    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
-
-    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
-    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
-    one, and the optimization (and the learning rate tuned for it) does not change under it.
-    """
-    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
-    split = choose_split(wanted, world, args.passed, usual)
-    if split is None:
-        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
-        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
-        fix = f"resume at {fits} processes"
-        if flags:
-            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
-                else f"drop {flags} and {fix}"
-        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
-             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
-             f"{fix}; or start afresh with another --checkpoint")
-    if split != (args.batch_size, args.grad_accum):
-        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
-               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
-               f"{split[0]} x --grad_accum {split[1]}")
-    args.batch_size, args.grad_accum = split
-
-
-# ---------------------------------------------------------------- trainer
-def global_mean(loss_sum, count, device):
-    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
-    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
-    dist.all_reduce(totals)
-    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
-
-
-def run_length(steps_per_epoch, args):
-    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first
-    (neither, under --time_budget alone: no limit but the clock's)."""
-    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
-    if total == math.inf:
-        return sys.maxsize, sys.maxsize
-    return total, math.ceil(total / steps_per_epoch)
-
-
-def wrap(model, device, args):
-    """DDP around the model; with --compile, torch.compile around DDP (why this order: the docstring)."""
-    # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out
-    ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
-              gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
-    # dynamic: an epoch's last batch is shorter, and static shapes would compile everything again for it
-    return torch.compile(ddp, dynamic=True) if args.compile else ddp
-
-
-class Trainer:
-    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
-
-    def __init__(self, model, data, optimizer, scaler, device, args, checkpoint=None, memory=None):
-        self.model = model  # the unwrapped module: evaluate, sample and save this one
-        self.train_set, self.val_set, self.vocab, self.config = data
-        self.optimizer, self.scaler, self.device, self.args = optimizer, scaler, device, args
-        self.amp = autocast(device, args.amp)
-        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
-        self.epochs_run, self.windows_in_epoch, self.step = 0, 0, 0
-        # --time_budget: seconds spent by the runs before this one, the clock at the first step, the clock now,
-        # and the share of the schedule done (its warmup and decay span the seconds from the first step on)
-        self.spent_before, self.budget_from, self.spent, self.share = 0.0, None, 0.0, 0.0
-        self.reserve = 0.0  # seconds kept for what follows training: twice the first validation's (train())
-        if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
-        self.ddp = wrap(model, device, args)
-        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
-        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
-        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
-        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
-        self.total, self.epochs = run_length(self.steps_per_epoch, args)
-        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
-        if checkpoint is not None:
-            note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
-        peak, self.peak_source = device_peak(args, device)
-        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
-        self.memory = memory or Memory(device)  # train()'s counts its peak from before the model was built
-        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
-        self.steps, self.windows, self.save_s, self.logged = 0, [], [], {}
-        self.log_sum, self.log_count = torch.zeros((), device=device), 0
-
-    def _load_checkpoint(self, state):
-        self.model.load_state_dict(state["model"])
-        ours = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
-        check_optimizer_state(self.args.checkpoint, state["optimizer"], self.optimizer,  # before the optimizer sees it
-                              f"--optimizer {self.args.optimizer}", "pass the --optimizer that wrote it, or delete it "
-                              "to start afresh")
-        self.optimizer.load_state_dict(state["optimizer"])
-        for group, settings in zip(self.optimizer.param_groups, ours):
-            group.update(settings)  # this run's --weight_decay (and lr: the schedule's), not the checkpoint's
-        if self.scaler.is_enabled() and not state["scaler"]:
-            # written by a bf16 or fp32 run, whose disabled scaler saved nothing to load
-            print0(f"note: {self.args.checkpoint} holds no fp16 loss scale: the GradScaler starts afresh")
-        else:
-            self.scaler.load_state_dict(state["scaler"])  # a no-op when --amp is not fp16
-        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
-        self.step = state["step"]
-        self.spent_before = state.get("budget_spent_s", 0.0)  # --time_budget's seconds, carried on
-        self.budget_from = state.get("budget_from_s")
-
-    def _save_checkpoint(self, epoch):
-        """The position in global units, the windows of the epoch's order trained and the global batch
-        that trained them, so that any world size that keeps the global batch can continue."""
-        finished = self.windows_in_epoch == len(self.train_set)
-        start = time.perf_counter()
-        if dist.get_rank() == 0:
-            save_checkpoint({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                             "scaler": self.scaler.state_dict(), "config": self.config, "vocab": self.vocab,
-                             "text": self.args.fingerprint,
-                             "epoch": epoch + 1 if finished else epoch, "step": self.step,
-                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                             "schedule": self.schedule,
-                             # with the seconds kept for the end (a resumed run keeps its own), and at
-                             # least the ranks' agreed clock (rank 0's may be behind the slowest one's)
-                             "budget_spent_s": max(self.spent, self.spent_before + time.perf_counter() - STARTED
-                                                   + self.reserve),
-                             "budget_from_s": self.budget_from},
-                            self.args.checkpoint)  # save_checkpoint adds the world size and the job
-        dist.barrier()  # nobody reads the checkpoint before it is complete
-        self.save_s.append(time.perf_counter() - start)
-        self.clock.left_out(self.save_s[-1])
-
-    def validate(self):
-        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
-        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
-        totals = evaluate(self.model, self.val_set, indices, self.args.batch_size, self.amp)
-        dist.all_reduce(totals)
-        return (totals[0] / totals[1]).item()
-
-    def out_of_time(self):
-        """--time_budget: whether it is spent, counting the seconds kept for the last validation and the
-        sample as spent, so the whole run ends in time. The ranks' clocks differ a little, so they agree on
-        the slowest one's (an all-reduce of one number a step), or they would use different learning rates
-        and stop at different steps. The schedule spans the seconds from the first step to the end:
-        start-up and the first validation take nothing from its warmup."""
-        if not self.args.time_budget:
-            return False
-        spent = self.spent_before + time.perf_counter() - STARTED + self.reserve
-        spent = torch.tensor([spent], dtype=torch.float64, device=self.device)
-        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-        self.spent = spent.item()
-        if self.budget_from is None:
-            self.budget_from = self.spent
-        self.share = (self.spent - self.budget_from) / max(self.args.time_budget - self.budget_from, 1e-9)
-        return self.spent >= self.args.time_budget
-
-    def _run_step(self, micro_batches, step_windows):
-        lr = lr_at_share(self.share, self.args) if self.args.time_budget else lr_at(self.step, self.schedule, self.args)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
-        torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
-        loss_sum, tokens = train_step(self.ddp, self.optimizer, self.scaler, micro_batches, self.amp,
-                                      self.args.clip, step_tokens)
-        self.step, self.steps = self.step + 1, self.steps + 1
-        self.log_sum += loss_sum
-        self.log_count += tokens
-        self.clock.stepped(step_tokens)
-        self.memory.after_step(self.steps, self.model, self.optimizer)
-        return loss_sum, tokens
-
-    def _log(self):
-        args, step = self.args, self.step
-        if args.log_every and step % args.log_every == 0:
-            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
-            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
-            print0(f"step {self.where()} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
-                   + self.clock.mfu_since_mark())
-        if args.eval_every and step % args.eval_every == 0 and step < self.total:
-            start = time.perf_counter()
-            print0(f"step {self.where()} | validation loss {self.validate():.4f}")
-            self.clock.left_out(time.perf_counter() - start)
-
-    def where(self):
-        """`120/600`, or under --time_budget alone `120 (at 231/540 s)`."""
-        if self.total == sys.maxsize:
-            return f"{self.step} (at {self.spent:.0f}/{self.args.time_budget:g} s)"
-        return f"{self.step}/{self.total}"
-
-    def _run_epoch(self, epoch):
-        """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
-        n, g = len(self.train_set), self.global_batch
-        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
-        loss_sum, count, first = torch.zeros((), device=self.device), 0, self.windows_in_epoch // g
-        for s, windows, step_windows in epoch_steps(self.sampler, g, first, self.device):
-            # the clock before every step but the epoch's first (train() read it at the last epoch's end, or before)
-            if self.step >= self.total or s > first and self.out_of_time():
-                break
-            micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
-            step_sum, tokens = self._run_step(micro_batches, step_windows)
-            loss_sum, count, self.windows_in_epoch = loss_sum + step_sum, count + tokens, min(n, (s + 1) * g)
-            self._log()
-            if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
-                    and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
-                self._save_checkpoint(epoch)
-        loss, tokens = global_mean(loss_sum, count, self.device)
-        return loss, math.ceil(self.windows_in_epoch / g), tokens // self.args.block_size
-
-    def train(self):
-        """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
-        history, ended = [], self.epochs_run
-        self.clock = Throughput(flops_per_token(self.model, self.args.block_size), self.peak, self.device,
-                                COMPILE_TIME if self.args.compile else None)
-        for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total or epoch == self.epochs_run and self.out_of_time():  # no epoch of no step
-                break
-            start, since = time.perf_counter(), self.clock.reading()
-            loss, done, windows = self._run_epoch(epoch)
-            seconds = time.perf_counter() - start
-            history.append(loss)
-            self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
-            ended = epoch + 1
-            spent = self.out_of_time()  # before the save: a run that ends on the clock saves the seconds that ended it
-            self._save_checkpoint(epoch)
-            of = f"/{self.epochs}" if self.epochs < sys.maxsize else ""  # none under --time_budget alone
-            print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-                   f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
-                   f"checkpoint {self.args.checkpoint}")
-            self.windows_in_epoch = 0  # the next epoch starts at its beginning
-            if spent:
-                break
-        self.clock.stop()
-        return history, ended
-
-
-class Throughput:
-    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
-    of the first optimizer step (it allocates, and with --compile compiles) to stop(), less the seconds
-    left_out() (evaluation, checkpoints). Every rate printed, and the metrics', counts this way."""
-
-    def __init__(self, flops_per_token, peak, device, compiling=None):  # compiling: what it takes, or None
-        self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
-        self.started, self.clock, self.stopped, self.first_step_s = time.perf_counter(), None, None, 0.0
-        self.tokens, self.mark, self.excludes = 0, (0.0, 0), f"first step{' (compiling)' if compiling else ''} left out"
-        if compiling:  # otherwise the first step is a minute of silence
-            print0(f"compiling: the first step compiles the model before it trains ({compiling}); "
-                   "tokens/s and MFU leave it out")
-
-    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
-        if self.clock is not None:
-            self.tokens += tokens
-            return
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
-        self.clock = time.perf_counter()
-        self.first_step_s = self.clock - self.started
-        if self.compiling:
-            print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
-
-    def left_out(self, seconds):  # once started, the clock starts that much later
-        if self.clock is not None:
-            self.clock += seconds
-
-    def stop(self):
-        self.stopped = time.perf_counter()
-
-    def reading(self):  # (seconds, tokens) timed so far
-        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
-
-    def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
-        seconds, tokens = now[0] - since[0], now[1] - since[1]
-        rate = tokens / seconds if seconds > 0 else 0.0
-        return rate, f" | MFU {100 * rate * self.flops_per_token / self.peak:.2f}%" if self.peak and seconds > 0 else ""
-
-    def rate_since(self, since):
-        """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
-        rate, mfu = self.rate(since, self.reading())
-        note = f" ({self.excludes})" if since == (0.0, 0) else " (no compiling in it)" if self.compiling else ""
-        return f"{rate:.0f} tokens/s{note}{mfu}"
-
-    def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
-        since, self.mark = self.mark, self.reading()
-        return self.rate(since, self.mark)[1] if self.mark[1] else ""
-
-
 class Memory:
-    """This rank's bytes of parameters, gradients and optimizer state, and the peak it measured.
-
-    The three are counted from this rank's tensors (a gradient is the size and dtype of its
-    parameter, held from the backward pass to the optimizer step). The peak is measured from
-    construction on, over the first two steps (the second is the first whose backward holds
-    the optimizer's state too): on an accelerator by torch's allocator (max_memory_allocated);
-    on the CPU, where torch keeps no such count (and the process's resident size holds the
-    libraries, and pages malloc keeps after a free), by the profiler's record of every tensor
-    allocation and free: the most bytes of tensors alive at once.
-    """
+    """This rank's bytes of parameters, gradients and optimizer state, counted from its tensors (a gradient
+    is the size and dtype of its parameter), and the peak measured from construction on over the first two
+    steps (the second's backward holds the optimizer's state too): on an accelerator by torch's allocator;
+    on the CPU, where torch keeps no such count (and the resident size holds the libraries and what malloc
+    keeps), by the profiler's record of every tensor allocation and free: the most bytes alive at once."""
 
     def __init__(self, device):
         self.device, self.counted, self.profiler, self.cpu_peak = device, {}, None, None
@@ -1214,7 +1208,6 @@ class Memory:
     def count(self, model, optimizer):
         """After the first step (AdamW makes its state then): this rank's bytes, gathered from every rank."""
         def size(t):
-            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
             return t.numel() * t.element_size()
         params = sum(size(p) for p in model.parameters())
         mine = torch.tensor([params, params, sum(size(t) for st in optimizer.state.values()
@@ -1236,132 +1229,138 @@ class Memory:
         return self.cpu_peak
 
 
-# ---------------------------------------------------------------- main
-def train(device, args, corpus, checkpoint):
-    """Build the data, model and trainer, train, validate before and after; returns whether replicas agree."""
-    text, name, vocab = corpus
-    torch.manual_seed(args.seed)
-    check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
-                             "another Python version or file on another node? pass --data PATH on a "
-                             "file system every node sees")
-    config = model_config(args, vocab)
-    memory = Memory(device)  # its peak counts from here
-    model = Transformer(**config).to(device)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # fp16 needs loss scaling
-    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
-                      make_optimizer(model, args), scaler, device, args, checkpoint, memory)
-    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
-    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
-    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
-                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
-                             "node sees, or copy the newest one to every node")
-    entropy = unigram_entropy(text) if vocab else None
-    describe(trainer, name, entropy)
-    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
-    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
-                                    else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
-    if args.time_budget:
-        budget = args.time_budget if args.time_budget % 1 else int(args.time_budget)  # `540`, not `540.0`
-        say_if_nothing_left(args.checkpoint, "second", round(trainer.spent_before), "--time_budget", budget)
-    start = time.perf_counter()
-    first_val = trainer.validate()
-    trainer.reserve = 2 * (time.perf_counter() - start)  # --time_budget: for the last validation and the sample
-    print0(f"validation loss {first_val:.4f} before training")
-    history, epochs = trainer.train()
-    val = trainer.validate()
-    if args.sample and vocab and dist.get_rank() == 0:
-        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
-        print0(f"sample ({args.sample} characters):\n{text_out}", every_rank=True)
-    in_sync = replicas_in_sync(model, device)
-    report(trainer, history, epochs, (first_val, val, entropy), in_sync, args)
-    return in_sync
+def choose_split(global_batch, world, passed, usual):
+    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None. What the user
+    passed (`passed`: batch_size and/or grad_accum) is kept; without either, the largest batch up to `usual`
+    (the checkpoint's, known to fit in memory) that divides a process's part of the step, and as many
+    micro-batches as that takes."""
+    if global_batch % world:
+        return None
+    per_rank = global_batch // world  # windows per process per step
+    if "batch_size" in passed:
+        batches = [passed["batch_size"]]
+    elif "grad_accum" in passed:
+        batches = [per_rank // passed["grad_accum"]]
+    else:
+        batches = range(min(usual, per_rank), 0, -1)
+    for batch in batches:
+        if batch and per_rank % batch == 0 and passed.get("grad_accum", per_rank // batch) * batch == per_rank:
+            return batch, per_rank // batch
+    return None
 
 
-def describe(trainer, name, entropy):
-    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long."""
-    args, model, world = trainer.args, trainer.model, dist.get_world_size()
-    print0(f"data: {name} | {trainer.config['vocab_size']} symbols | {len(trainer.train_set)} training and "
-           f"{len(trainer.val_set)} validation windows"
-           + (f" | unigram entropy {entropy:.3f} nats" if entropy is not None else ""))
+def resume_at_another_world_size(args, state, world):
+    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and --grad_accum
+    chosen from what the user did not pass (one line says so), or one error line. Why: step s of an epoch
+    trains positions [s x G, (s+1) x G) of its shuffled order at any world size, so with the same G a resumed
+    run trains the very batches of an uninterrupted one, and the optimization does not change under it."""
+    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
+    split = choose_split(wanted, world, args.passed, usual)
+    if split is None:
+        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
+        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
+        fix = f"resume at {fits} processes"
+        if flags:
+            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
+                else f"drop {flags} and {fix}"
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
+             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
+             f"{fix}; or start afresh with another --checkpoint")
+    if split != (args.batch_size, args.grad_accum):
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
+               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
+               f"{split[0]} x --grad_accum {split[1]}")
+    args.batch_size, args.grad_accum = split
+
+
+def note_schedule(saved, schedule, step, args):
+    """On a resume: one line when the schedule's length is not the one the checkpoint followed (a larger
+    --max_steps stretches it, and the rate climbs back up), naming --lr_decay_steps, which keeps it."""
+    if saved is None or saved == schedule:  # a checkpoint from before the length was saved says nothing
+        return
+    print0(f"note: the learning-rate schedule is now {schedule} steps long, the checkpoint's was {saved}: at "
+           f"step {step} the rate is {lr_at(step, schedule, args):.2e} instead of {lr_at(step, saved, args):.2e} "
+           f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
+
+
+def unigram_entropy(text):
+    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
+    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
+    p = counts / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def describe(run, checkpoint):
+    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long; what is left."""
+    args, model, world = run.args, run.model, dist.get_world_size()
+    if checkpoint is not None:
+        note_schedule(checkpoint.get("schedule"), run.schedule, run.step, args)
+    print0(f"data: {run.name} | {run.config['vocab_size']} symbols | {len(run.train_set)} training and "
+           f"{len(run.val_set)} validation windows"
+           + (f" | unigram entropy {run.entropy:.3f} nats" if run.entropy is not None else ""))
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
            f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
-           f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
+           f"{plural(world, 'process')} on {run.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
            f"{' | compiled' if args.compile else ''} | "
-           + (f"{trainer.total} steps = {trainer.total / trainer.steps_per_epoch:.2f} epochs"
+           + (f"{run.total} steps = {run.total / run.steps_per_epoch:.2f} epochs"
               + (f" (or {args.time_budget:g} s of training)" if args.time_budget else "")
-              if trainer.total < sys.maxsize else f"{args.time_budget:g} s of training in epochs")
-           + f" of {trainer.steps_per_epoch} steps "
+              if run.total < sys.maxsize else f"{args.time_budget:g} s of training in epochs")
+           + f" of {run.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    peak = trainer.peak
-    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
-           else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
+    peak = run.meter.peak
+    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({run.meter.peak_source})" if peak
+           else f"note: no MFU: {run.meter.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
-    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
-           f"{trainer.windows_in_epoch} of {len(trainer.train_set)} in the epoch's order"
+    print0(f"resuming from {args.checkpoint} at epoch {run.epoch}, step {run.step}, window "
+           f"{run.windows_in_epoch} of {len(run.train_set)} in the epoch's order"
            if args.resume else "starting from scratch")
+    by_steps = run.total < (args.epochs or math.inf) * run.steps_per_epoch  # which flag ends the run
+    say_if_nothing_left(args.checkpoint, *(("step", run.step, "--max_steps", run.total) if by_steps
+                                           else ("epoch", run.epoch, "--epochs", args.epochs)))
+    run.budget.say_if_spent()
 
 
-def report(trainer, history, epochs, losses, in_sync, args):
+def report(run, vals, in_sync):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
-    first_val, val, entropy = losses
-    clock, fpt = trainer.clock, trainer.clock.flops_per_token
-    tokens_per_s, peak = clock.rate((0.0, 0), clock.reading())[0], clock.peak  # (the clock is stopped)
+    (first_val, val), args, meter, history, steps = vals, run.args, run.meter, run.losses, run.meter.steps
+    saves = meter.left_out_s["checkpoint"]
+    tokens_per_s, fpt = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
-        "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
-        "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "block_size": args.block_size, "elapsed_s": clock.reading()[0], "first_step_s": clock.first_step_s,
+        "device": run.device.type, "torch": torch.__version__, "amp": args.amp, "compile": args.compile,
+        "epochs": run.ended, "steps": steps, "steps_per_epoch": run.steps_per_epoch,
+        "max_steps": run.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        "block_size": args.block_size, "elapsed_s": meter.reading()[0], "first_step_s": meter.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
-        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
-        "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
-        "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
-        "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
+        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": meter.peak,
+        "mfu": tokens_per_s * fpt / meter.peak if meter.peak else None, "peak_source": meter.peak_source,
+        "global_batch": run.global_batch, "windows": run.windows, "lr_decay_steps": run.schedule,
+        "checkpoints": len(saves),  # and the median seconds of one (rank 0 writes, all wait):
+        "checkpoint_s": sorted(saves)[len(saves) // 2] if saves else None,
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
-        "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
-        "unigram_entropy": entropy,
-        "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
-        "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
+        "losses": history, "step_losses": run.logged, "first_val_loss": first_val, "val_loss": val,
+        "unigram_entropy": run.entropy,
+        "params": sum(p.numel() for p in run.model.parameters()), "replicas_in_sync": in_sync,
+        "resumed_from_epoch": run.epoch if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "throughput_excludes": clock.excludes + ", evaluation and checkpoints left out",
-        **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
+        "throughput_excludes": meter.excludes + ", evaluation and checkpoints left out",
+        **meter.memory.counted, "peak_memory_bytes": meter.memory.peak(),
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}")
-    if trainer.steps:  # a resumed run with nothing left to train has no speed to report
-        print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
+    if steps:  # a resumed run with nothing left to train has no speed to report
+        print0(f"throughput: {meter.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
-               f"{clock.first_step_s:.1f} s" + (" (compiling)" if clock.compiling else ""))
+               f"{meter.first_step_s:.1f} s" + (" (compiling)" if meter.compiling else ""))
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors "
-           + ("(the allocator's peak)" if trainer.device.type != "cpu" else "(the profiler's, first two steps)"))
+           + ("(the allocator's peak)" if run.device.type != "cpu" else "(the profiler's, first two steps)"))
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
-           f"({summary['backend']}) | torch {torch.__version__} | {plural(epochs, 'epoch')}, "
-           f"{plural(trainer.steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
-           f"{f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(run.ended, 'epoch')}, "
+           f"{plural(steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
+           f"{f'{tokens_per_s:.0f} tokens/s' if steps else 'nothing trained'} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
-
-
-def main():
-    """One process of the job; torchrun (or the user) describes the job in the environment."""
-    args = check_args(parse_args())
-    corpus = read_corpus(args)
-    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
-    # a bad checkpoint is refused (one line) before any process group exists
-    checkpoint = read_checkpoint(args, corpus) if args.resume else None
-    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
-        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
-    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
-    device = setup(args)
-    try:
-        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
-            in_sync = train(device, args, corpus, checkpoint)
-    finally:
-        cleanup()
-    if not in_sync:
-        sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
 # =============================================================================
@@ -2208,3 +2207,4 @@ def say_if_nothing_left(path, unit, reached, flag, target):
 
 if __name__ == "__main__":
     main()
+

@@ -702,7 +702,7 @@ def test_a_pt_file_is_read_once_from_one_descriptor(tmp_path, capsys, monkeypatc
 
 
 def transformer_checkpoint(tmp_path, optimizer_name="auto"):
-    """A ddp_transformer checkpoint after one fused-AdamW step: (args, corpus, its state, a fresh Trainer)."""
+    """A ddp_transformer checkpoint after one fused-AdamW step: (args, corpus, its state, a fresh Run)."""
     (tmp_path / "text.txt").write_text(TEXT)
     path = tmp_path / "ck.pt"
     args = ddp_transformer.check_args(ddp_transformer.parse_args([*TINY, "--data", str(tmp_path / "text.txt"),
@@ -719,7 +719,7 @@ def transformer_checkpoint(tmp_path, optimizer_name="auto"):
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": {}, "config": config,
              "vocab": corpus[2], "text": ddp_transformer.text_fingerprint(corpus[0]), "epoch": 0, "step": 4,
              "windows_in_epoch": 32, "global_batch": 8, "batch_size": 8, "world_size": 1}
-    trainer = ddp_transformer.Trainer.__new__(ddp_transformer.Trainer)
+    trainer = ddp_transformer.Run.__new__(ddp_transformer.Run)
     trainer.args, trainer.model = args, ddp_transformer.Transformer(**config)
     trainer.optimizer = ddp_transformer.make_optimizer(trainer.model, args)
     trainer.scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -760,9 +760,9 @@ def test_an_optimizer_state_is_checked_against_its_optimizer_before_it_sees_it(t
     for state in bad:
         torch.save(state, args.checkpoint)
         loaded = ddp_transformer.read_checkpoint(args, corpus)
-        refused(lambda: trainer._load_checkpoint(loaded), capsys, "another optimizer's state", "ck.pt")
+        refused(lambda: trainer.restore(loaded), capsys, "another optimizer's state", "ck.pt")
     torch.save(good, args.checkpoint)
-    trainer._load_checkpoint(ddp_transformer.read_checkpoint(args, corpus))
+    trainer.restore(ddp_transformer.read_checkpoint(args, corpus))
     trainer.model(torch.zeros(2, 16, dtype=torch.long)).sum().backward()
     trainer.optimizer.step()
     name, weight = list(good["model"].items())[1]

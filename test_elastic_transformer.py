@@ -53,13 +53,13 @@ STATE = {"global_batch": 16, "batch_size": 8, "world_size": 2}
 
 
 def keep(world, capsys, monkeypatch, **passed):
-    """keep_global_batch as main() calls it, on rank 0 of a job (a checkpoint of 2 x 8 x 1 windows)."""
+    """resume_at_another_world_size as main() calls it, on rank 0 of a job (a checkpoint of 2 x 8 x 1 windows)."""
     monkeypatch.delenv("RANK", raising=False)
     args = types.SimpleNamespace(passed=passed, batch_size=passed.get("batch_size", 8),
                                  grad_accum=passed.get("grad_accum", 1), checkpoint="ck.pt")
     code = None
     try:
-        ddp_transformer.keep_global_batch(args, STATE, world)
+        ddp_transformer.resume_at_another_world_size(args, STATE, world)
     except SystemExit as e:
         code = e.code
     out = capsys.readouterr()
@@ -180,7 +180,7 @@ def test_shifted_windows_are_the_same_batches_at_any_world_size_and_after_a_resu
 
     def text_of_steps(world, epoch, first=0, seed=0):
         windows = ddp_transformer.Windows(tokens, block)
-        windows.shift(ddp_transformer.window_offset(seed, epoch, block))  # as _run_epoch does, on every rank
+        windows.shift(ddp_transformer.window_offset(seed, epoch, block))  # as train() does, on every rank
         steps = steps_at(world, n, global_batch, epoch, first, seed)
         return {s: sorted(windows[torch.tensor(w)][0][:, 0].tolist()) for s, (w, _) in steps.items()}
 
@@ -219,7 +219,7 @@ def test_preset_cpu10_is_the_documented_recipe():
     for floor, end in ((None, 0.0), ("0.1", 0.1), ("0.5", 0.5)):  # the recipe's 0, the default's 0.1
         run = args if floor is None else ddp_transformer.fill_defaults(ddp_transformer.parse_args(
             ["--preset", "cpu10", "--lr_floor", floor]))
-        lr = [ddp_transformer.lr_at_share(x, run) for x in share]
+        lr = [ddp_transformer.lr_at_fraction(x, run) for x in share]
         peak = lr.index(max(lr))
         assert share[peak] == run.warmup and lr[peak] == pytest.approx(run.lr)
         assert lr[:peak] == sorted(lr[:peak]) and lr[peak:] == sorted(lr[peak:], reverse=True)
