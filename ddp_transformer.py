@@ -648,7 +648,7 @@ class Run:
                                  "text": self.args.fingerprint, "epoch": epoch + 1 if finished else epoch,
                                  "step": self.step, "windows_in_epoch": 0 if finished else self.windows_in_epoch,
                                  "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                                 "schedule": self.schedule, **self.budget.saved()},
+                                 "schedule": self.schedule if self.schedule < sys.maxsize else None, **self.budget.saved()},
                                 self.args.checkpoint)  # save_checkpoint adds the world size and the job
             dist.barrier()  # nobody reads the checkpoint before it is complete
 
