@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", "--snapshot_path", dest="snapshot_path", metavar="PATH", help="snapshot file",
                    default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
     p.add_argument("--resume", action="store_true", help="continue a snapshot that another run wrote")
-    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # the old launcher's
+    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # old launcher
     p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
