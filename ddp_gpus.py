@@ -18,9 +18,9 @@ inputs; the seed's cross-entropy over one output is always zero), `torch.optim.S
 the same data set on every rank, a free port instead of a hard-coded one, a CPU path,
 and a final check that the replicas agree.
 
-Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): `diff ddp_gpus.py ddp_gpus_torchrun.py`
-shows the launch and the snapshot, nothing else. The robustness every script shares (errors,
-ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of the file.
+Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): their lessons (all above
+the harness) differ in the launch and the snapshot, nothing else. The robustness every script shares (errors,
+ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of each file: what that file uses.
 """
 
 # ---------------------------------------------------------------- imports
@@ -32,6 +32,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -129,53 +130,47 @@ class Trainer:
         self.model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
         self.steps = 0
 
-    def _run_batch(self, xs, ys):
-        self.optimizer.zero_grad(set_to_none=True)
-        # PORT (loss): your loss of (output, target), a mean over the batch (DDP averages it over the ranks)
-        loss = F.mse_loss(self.model(xs), ys)
-        loss.backward()  # DDP all-reduces (averages) the gradients here
-        self.optimizer.step()
-        self.steps += 1
-        return loss.detach()
-
-    def _run_epoch(self, epoch):
-        loader = self.train_dataloader
-        print0(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}", every_rank=True)
-        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        # [sum of per-sample losses, samples] on the device: no host sync per step
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for xs, ys in loader:
-            xs = xs.to(self.device, non_blocking=True)
-            ys = ys.to(self.device, non_blocking=True)
-            loss = self._run_batch(xs, ys)
-            totals[0] += loss.double() * len(xs)
-            totals[1] += len(xs)
-        dist.all_reduce(totals)  # the global mean loss, not rank 0's own
-        return (totals[0] / totals[1]).item(), int(totals[1].item())
-
     def train(self, max_epochs):
+        """The loop: an epoch is a pass over this rank's shard; returns each epoch's loss over all processes."""
+        loader = self.train_dataloader
         if self.epochs_run < max_epochs:
             print0("per-process lines in the seed's format: [device: rank] Epoch: from 0 | Batchsize: per process | "
                    "Steps: per epoch; rank 0's `epoch N/M` lines count from 1 and give the loss over all processes")
         history = []
         for epoch in range(self.epochs_run, max_epochs):
             start = time.perf_counter()
-            loss, samples = self._run_epoch(epoch)
+            print0(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}",
+                   every_rank=True)
+            loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            # [sum of per-sample losses, samples] on the device: no host sync per step
+            totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for xs, ys in loader:
+                xs, ys = xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                # PORT (loss): your loss of (output, target), a mean over this rank's batch
+                loss = F.mse_loss(self.model(xs), ys)
+                loss.backward()  # DDP all-reduces (averages) the gradients here; each rank keeps its own loss
+                self.optimizer.step()
+                self.steps += 1
+                totals[0] += loss.detach().double() * len(xs)
+                totals[1] += len(xs)
+            dist.all_reduce(totals)  # the global mean loss, not rank 0's own
+            mean_loss, samples = (totals[0] / totals[1]).item(), int(totals[1].item())
             seconds = time.perf_counter() - start
-            history.append({"loss": loss, "samples": samples, "seconds": seconds})
-            print0(f"epoch {epoch + 1}/{max_epochs} | loss {loss:.6f} | "
+            history.append({"loss": mean_loss, "samples": samples, "seconds": seconds})
+            print0(f"epoch {epoch + 1}/{max_epochs} | loss {mean_loss:.6f} | "
                    f"{samples / seconds:.0f} samples/s | {seconds:.2f} s")
         return history
 
 
 # ---------------------------------------------------------------- main
-def train(device, args):
+def train_and_check(device, args):
+    """Data, model and Trainer; trains, checks that the replicas agree and reports; returns whether they do."""
     torch.manual_seed(args.seed)
     # PORT (data): your Dataset of (input, target) pairs; every rank builds the same one (the sampler shards it)
     dataset = MyTrainDataset(args.samples, seed=args.seed)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # each rank its own 1/N
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        pin_memory=device.type != "cpu")
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type != "cpu")
     # PORT (model): your nn.Module, built on the CPU; the Trainer moves it to the device and wraps it in DDP
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -212,12 +207,17 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
-def main(rank, args):
-    """One process of the job: mp.spawn passes its rank (ddp_gpus.py), or torchrun sets RANK."""
-    device = setup(rank, args)
+def main():
+    args = check_args(parse_args())
+    prepare_rendezvous(args, spawning=True)  # MASTER_ADDR and MASTER_PORT for the children
+    join_processes(mp.spawn(run_worker, args=(args,), nprocs=args.nprocs, join=False))  # the harness waits for them
+
+
+def run_worker(rank, args):
+    device = setup(rank, args)  # one process of the job: mp.spawn passed its rank, 0 to args.nprocs - 1
     try:
         with explained_failures(args.timeout):
-            in_sync = train(device, args)
+            in_sync = train_and_check(device, args)
     finally:
         cleanup()
     if not in_sync:
@@ -239,7 +239,6 @@ import signal
 import socket
 import threading
 import traceback
-import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -639,7 +638,4 @@ def join_processes(context):
 
 
 if __name__ == "__main__":
-    args = check_args(parse_args())
-    prepare_rendezvous(args, spawning=True)  # MASTER_ADDR and MASTER_PORT for the children
-    context = mp.spawn(main, args=(args,), nprocs=args.nprocs, join=False)  # main(rank, args) in each of N processes
-    join_processes(context)  # the harness: a rank's exit as one line
+    main()

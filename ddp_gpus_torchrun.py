@@ -18,9 +18,9 @@ inputs; the seed's cross-entropy over one output is always zero), `torch.optim.S
 the same data set on every rank, a free port instead of a hard-coded one, a CPU path,
 and a final check that the replicas agree.
 
-Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): `diff ddp_gpus.py ddp_gpus_torchrun.py`
-shows the launch and the snapshot, nothing else. The robustness every script shares (errors,
-ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of the file.
+Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): their lessons (all above
+the harness) differ in the launch and the snapshot, nothing else. The robustness every script shares (errors,
+ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of each file: what that file uses.
 """
 
 # ---------------------------------------------------------------- imports
@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", "--snapshot_path", dest="snapshot_path", metavar="PATH", help="snapshot file",
                    default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
     p.add_argument("--resume", action="store_true", help="continue a snapshot that another run wrote")
-    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # the old launcher's
+    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # old launcher
     p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
@@ -140,8 +140,7 @@ class Trainer:
             check_optimizer_state(self.snapshot_path, snapshot["optimizer"], self.optimizer)  # before it sees it
             self.optimizer.load_state_dict(snapshot["optimizer"])
             note_world_change(snapshot, len(self.train_dataloader), self.train_dataloader.batch_size)
-        epochs_run = snapshot["epochs_run"] if snapshot else 0
-        # a rank that cannot see the snapshot would train other epochs and hang the job
+        epochs_run = snapshot["epochs_run"] if snapshot else 0  # a rank that cannot see it would hang the job
         check_same_on_every_rank(epochs_run, "snapshot epochs", "put the snapshot where every node sees it")
         print0(f"resuming from snapshot at epoch {epochs_run}" if epochs_run else "starting from scratch")
         return epochs_run
@@ -152,55 +151,49 @@ class Trainer:
                              "epochs_run": epochs_run}, self.snapshot_path)
         dist.barrier()  # nobody reads the snapshot before it is complete
 
-    def _run_batch(self, xs, ys):
-        self.optimizer.zero_grad(set_to_none=True)
-        # PORT (loss): your loss of (output, target), a mean over the batch (DDP averages it over the ranks)
-        loss = F.mse_loss(self.model(xs), ys)
-        loss.backward()  # DDP all-reduces (averages) the gradients here
-        self.optimizer.step()
-        self.steps += 1
-        return loss.detach()
-
-    def _run_epoch(self, epoch):
-        loader = self.train_dataloader
-        print0(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}", every_rank=True)
-        loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        # [sum of per-sample losses, samples] on the device: no host sync per step
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for xs, ys in loader:
-            xs = xs.to(self.device, non_blocking=True)
-            ys = ys.to(self.device, non_blocking=True)
-            loss = self._run_batch(xs, ys)
-            totals[0] += loss.double() * len(xs)
-            totals[1] += len(xs)
-        dist.all_reduce(totals)  # the global mean loss, not rank 0's own
-        return (totals[0] / totals[1]).item(), int(totals[1].item())
-
     def train(self, max_epochs):
+        """The loop: an epoch is a pass over this rank's shard; returns each epoch's loss over all processes."""
+        loader = self.train_dataloader
         if self.epochs_run < max_epochs:
             print0("per-process lines in the seed's format: [device: rank] Epoch: from 0 | Batchsize: per process | "
                    "Steps: per epoch; rank 0's `epoch N/M` lines count from 1 and give the loss over all processes")
         history = []
         for epoch in range(self.epochs_run, max_epochs):
             start = time.perf_counter()
-            loss, samples = self._run_epoch(epoch)
+            print0(f"[{self.tag}] Epoch: {epoch} | Batchsize: {loader.batch_size} | Steps: {len(loader)}",
+                   every_rank=True)
+            loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            # [sum of per-sample losses, samples] on the device: no host sync per step
+            totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for xs, ys in loader:
+                xs, ys = xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                # PORT (loss): your loss of (output, target), a mean over this rank's batch
+                loss = F.mse_loss(self.model(xs), ys)
+                loss.backward()  # DDP all-reduces (averages) the gradients here; each rank keeps its own loss
+                self.optimizer.step()
+                self.steps += 1
+                totals[0] += loss.detach().double() * len(xs)
+                totals[1] += len(xs)
+            dist.all_reduce(totals)  # the global mean loss, not rank 0's own
+            mean_loss, samples = (totals[0] / totals[1]).item(), int(totals[1].item())
             seconds = time.perf_counter() - start
-            history.append({"loss": loss, "samples": samples, "seconds": seconds})
+            history.append({"loss": mean_loss, "samples": samples, "seconds": seconds})
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch + 1)
-            print0(f"epoch {epoch + 1}/{max_epochs} | loss {loss:.6f} | "
+            print0(f"epoch {epoch + 1}/{max_epochs} | loss {mean_loss:.6f} | "
                    f"{samples / seconds:.0f} samples/s | {seconds:.2f} s")
         return history
 
 
 # ---------------------------------------------------------------- main
-def train(device, args):
+def train_and_check(device, args):
+    """Data, model and Trainer; trains, checks that the replicas agree and reports; returns whether they do."""
     torch.manual_seed(args.seed)
     # PORT (data): your Dataset of (input, target) pairs; every rank builds the same one (the sampler shards it)
     dataset = MyTrainDataset(args.samples, seed=args.seed)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed)  # each rank its own 1/N
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        pin_memory=device.type != "cpu")
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, pin_memory=device.type != "cpu")
     # PORT (model): your nn.Module, built on the CPU; the Trainer moves it to the device and wraps it in DDP
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -238,12 +231,13 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
-def main(args):
-    """One process of the job: mp.spawn passes its rank (ddp_gpus.py), or torchrun sets RANK."""
+def main():
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # one process of the job: torchrun set its RANK (plain `python`: a world of one)
     device = setup(args)
     try:
         with explained_failures(args.timeout, lambda: describe_checkpoint(args.snapshot_path)):
-            in_sync = train(device, args)
+            in_sync = train_and_check(device, args)
     finally:
         cleanup()
     if not in_sync:
@@ -1088,6 +1082,4 @@ def note_world_change(state, steps_per_epoch, batch_size):
 
 
 if __name__ == "__main__":
-    args = check_args(parse_args())
-    prepare_rendezvous(args)  # plain `python`: a world of one
-    main(args)  # torchrun started this process, one of N
+    main()

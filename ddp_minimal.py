@@ -11,17 +11,17 @@ Launch (the script starts its own processes with mp.spawn):
     python ddp_minimal.py --device cpu --nprocs 2  # CPU only, gloo
 
 Read this first. Next: ddp_gpus.py trains for real (a data set, a DistributedSampler,
-epochs, a global loss) and carries the harness every other script shares.
+epochs, a global loss), and after its lesson carries a harness: the recipes it shares with the others.
 """
 import argparse
 import gc
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -68,18 +68,18 @@ def main():
     found = torch.accelerator.current_accelerator(check_available=True)  # None: no accelerator visible
     args.device = (found.type if found else "cpu") if args.device == "auto" else args.device
     gpus = torch.accelerator.device_count() if found and found.type == args.device else 0  # or xpu, ... devices
+    most = gpus if args.device != "cpu" else 64  # at most one process per GPU
     nprocs = args.nprocs or (gpus if args.device != "cpu" else 2)
-    if args.device == "mps" or not 0 < nprocs <= (gpus if args.device != "cpu" else 64):  # mps: no backend
+    if args.device == "mps" or not 0 < nprocs <= most:  # mps: no backend
         p.exit(2, "error: MPS has no multi-process backend (use --device cpu)\n" if args.device == "mps" else
-               f"error: --nprocs {nprocs} does not fit this machine with {gpus} GPU(s) (pass 1 to {gpus or 64})\n")
+               f"error: no {args.device} device is visible (use --device cpu)\n" if not most else
+               f"error: --nprocs {nprocs} does not fit {args.device} here (pass 1 to {most})\n")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # rank 0 hosts the rendezvous here,
-    with socket.socket() as s:  # on a port the OS says is free (never a hard-coded one)
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    os.environ.setdefault("MASTER_PORT", str(get_free_port()))  # on a port the OS says is free (never a hard-coded one)
     try:
         mp.spawn(example, args=(nprocs, args), nprocs=nprocs)  # example(rank, nprocs, args) in each process
-    except mp.ProcessExitedException as e:
-        sys.exit(e.exit_code)  # the replicas differed (exit 1): the ranks printed why
+    except mp.ProcessExitedException as e:  # exit 1: the replicas differ or did not change; rank 0 said which
+        sys.exit(1 if e.exit_code == 1 else f"error: {e}")  # else a rank was killed, or exited with another code
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ the weights to each GPU, scatters the batch, gathers the outputs on GPU 0 and re
 the gradients there (the GIL, and memory piled on GPU 0); DDP runs one process per GPU
 and overlaps a ring all-reduce of the gradients with the backward pass.
 Nearest sibling: ddp_gpus.py (mp.spawn, DDP only, a linear model); this file adds the
-DataParallel baseline and the comparison. The robustness every script shares (errors,
-ports, timeouts, Ctrl-C, the replica check) is in the harness block at the end of the
-file, the same in every script.
+DataParallel baseline and the comparison, whose machinery follows the lesson. The robustness
+every script shares (errors, ports, timeouts, Ctrl-C, the replica check) is the harness block
+at the end of the file, each recipe the same wherever it appears.
 """
 
 # ---------------------------------------------------------------- imports
@@ -43,6 +43,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -193,24 +194,43 @@ def all_reduce_if_distributed(totals):
     return totals
 
 
-def train_epoch(model, train_set, batches, optimizer):
-    """One pass over this process's batches; returns global (mean loss, accuracy, samples)."""
-    model.train()
-    x, y = train_set.tensors
-    # [sum of per-sample losses, correct, samples]; the first two stay on the device: no host sync per step
-    totals = torch.zeros(3, dtype=torch.float64, device=x.device)
-    for idx in batches:
-        xs, ys = x.index_select(0, idx), y.index_select(0, idx)
-        optimizer.zero_grad(set_to_none=True)
-        out = model(xs)
-        loss = F.cross_entropy(out, ys)
-        loss.backward()  # DataParallel reduces the gradients onto GPU 0; DDP all-reduces them
-        optimizer.step()
-        totals[0] += loss.detach().double() * len(ys)
-        totals[1] += (out.argmax(dim=1) == ys).sum()
-        totals[2] += len(ys)
-    loss_sum, correct, samples = all_reduce_if_distributed(totals).tolist()
-    return loss_sum / samples, correct / samples, int(samples)
+def fit(model, wrapped, devices, per_process_batch, args):
+    """The loop, the same for `wrapped` plain, DataParallel or DDP; returns the run's record. A DistributedSampler
+    orders the data in both modes: with one replica it is a plain shuffle; with N ranks rank r takes every N-th
+    index of the same shuffle, so the N per-process batches of step k together are the single process's batch k."""
+    train_set, test_set = make_data(args.samples, args.seed, devices[0])
+    (x, y), (rank, world) = train_set.tensors, rank_and_world()
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    optimizer = torch.optim.Adam(wrapped.parameters(), lr=args.lr)
+    reset_peak_memory(devices)
+    print0(f"data: {len(train_set)} train / {len(test_set)} test samples, 10 classes from a fixed "
+           f"random teacher; chance (most common class) {chance_accuracy(train_set):.3f}")
+    history = []
+    for epoch in range(args.epochs):
+        batches = epoch_batches(sampler, epoch, per_process_batch, devices[0])
+        start = time.perf_counter()
+        wrapped.train()
+        # [sum of per-sample losses, correct, samples]; the first two stay on the device: no host sync per step
+        totals = torch.zeros(3, dtype=torch.float64, device=x.device)
+        for idx in batches:
+            xs, ys = x.index_select(0, idx), y.index_select(0, idx)
+            optimizer.zero_grad(set_to_none=True)
+            out = wrapped(xs)
+            loss = F.cross_entropy(out, ys)
+            loss.backward()  # DataParallel reduces the gradients onto GPU 0; DDP all-reduces (averages) them
+            optimizer.step()
+            totals[0] += loss.detach().double() * len(ys)
+            totals[1] += (out.argmax(dim=1) == ys).sum()
+            totals[2] += len(ys)
+        loss_sum, correct, samples = all_reduce_if_distributed(totals).tolist()  # over all ranks
+        seconds = time.perf_counter() - start
+        history.append({"loss": loss_sum / samples, "accuracy": correct / samples, "samples": int(samples),
+                        "seconds": seconds})
+        print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | acc {correct / samples:.3f} | "
+               f"{samples / seconds:.0f} samples/s | {seconds:.2f} s")
+    return {"history": history, "test_accuracy": evaluate(model, test_set),
+            "chance_accuracy": chance_accuracy(train_set), "steps": args.epochs * len(batches),
+            "steps_per_epoch": len(batches)}
 
 
 @torch.no_grad()
@@ -223,76 +243,6 @@ def evaluate(model, test_set):
     totals = torch.stack([correct, torch.tensor(float(len(y)), dtype=torch.float64, device=x.device)])
     correct, count = all_reduce_if_distributed(totals).tolist()
     return correct / count
-
-
-def peak_memory_mb(devices):
-    """Peak memory of this process: the device allocator's peak on GPUs, peak RSS on CPU."""
-    if devices[0].type != "cpu":  # torch.cuda, torch.xpu, ...: each device module counts its allocator's peak
-        module = torch.get_device_module(devices[0].type)
-        return (max(module.max_memory_allocated(d) for d in devices) / 2 ** 20,
-                f"{devices[0].type} max_memory_allocated")
-    # Linux carries ru_maxrss across exec, so a spawned rank would report its parent's
-    # peak; VmHWM is the peak of this process's own address space
-    try:
-        with open("/proc/self/status") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        return kib / 2 ** 10, "peak RSS"
-    except (OSError, StopIteration):
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), "peak RSS (getrusage)"
-
-
-def fit(model, wrapped, devices, per_process_batch, args):
-    """Train `wrapped` (plain, DataParallel or DDP) for args.epochs; returns the run's record.
-
-    A DistributedSampler orders the data in both modes: with one replica it is a plain
-    shuffle; with N ranks rank r takes every N-th index of the same shuffle, so the N
-    per-process batches of step k together are exactly the single process's batch k.
-    """
-    train_set, test_set = make_data(args.samples, args.seed, devices[0])
-    rank, world = rank_and_world()
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    optimizer = torch.optim.Adam(wrapped.parameters(), lr=args.lr)
-    for d in devices if devices[0].type != "cpu" else []:
-        torch.get_device_module(d.type).reset_peak_memory_stats(d)
-    print0(f"data: {len(train_set)} train / {len(test_set)} test samples, 10 classes from a fixed "
-           f"random teacher; chance (most common class) {chance_accuracy(train_set):.3f}")
-    history = []
-    for epoch in range(args.epochs):
-        batches = epoch_batches(sampler, epoch, per_process_batch, devices[0])
-        start = time.perf_counter()
-        loss, acc, samples = train_epoch(wrapped, train_set, batches, optimizer)
-        seconds = time.perf_counter() - start
-        history.append({"loss": loss, "accuracy": acc, "samples": samples, "seconds": seconds})
-        print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss:.4f} | acc {acc:.3f} | "
-               f"{samples / seconds:.0f} samples/s | {seconds:.2f} s")
-    return {"history": history, "test_accuracy": evaluate(model, test_set),
-            "chance_accuracy": chance_accuracy(train_set), "steps": args.epochs * len(batches),
-            "steps_per_epoch": len(batches)}
-
-
-def summarize(run, mode, dp_devices, device, threads, memory, in_sync, args):
-    """The contract's metrics record for one run (plus this script's keys)."""
-    history = run["history"]
-    elapsed = sum(h["seconds"] for h in history)
-    steady = history[1:] or history  # the first epoch pays for warm-up (allocator, threads, buckets)
-    world = rank_and_world()[1]
-    return {
-        "script": os.path.basename(__file__), "mode": mode, "dp_devices": dp_devices,
-        "world_size": world, "backend": dist.get_backend() if dist.is_initialized() else None,
-        "device": device.type, "torch": torch.__version__, "threads_per_process": threads,
-        "pid": os.getpid(), "parent_pid": os.getppid(),
-        "epochs": args.epochs, "steps": run["steps"], "steps_per_epoch": run["steps_per_epoch"],
-        "batch_size": args.batch_size, "batch_size_per_process": args.batch_size // world,
-        "elapsed_s": elapsed, "samples_per_s": sum(h["samples"] for h in history) / elapsed,
-        "steady_samples_per_s": sum(h["samples"] for h in steady) / sum(h["seconds"] for h in steady),
-        "epoch_samples_per_s": [h["samples"] / h["seconds"] for h in history],
-        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
-        "losses": [h["loss"] for h in history], "accuracy": history[-1]["accuracy"],
-        "test_accuracy": run["test_accuracy"], "chance_accuracy": run["chance_accuracy"],
-        "peak_memory_mb": memory[0], "peak_memory_kind": memory[1],
-        "replicas_in_sync": in_sync, "resumed_from_epoch": 0,
-    }
 
 
 # ---------------------------------------------------------------- the single-process run
@@ -320,16 +270,7 @@ def run_single(args):
                f"note: nn.DataParallel needs {needs}, so this trains the plain module")
     run = fit(model, wrapped, devices, args.batch_size, args)
     print0("replicas: one process, one copy of the weights (DataParallel copies it to every GPU each step)")
-    return summarize(run, mode, gpus if mode == "dp" else 0, device, threads,
-                     peak_memory_mb(devices), True, args)
-
-
-def single_process(index, args):
-    """--compare's first run, in a process of its own (mp.spawn passes the index first). DataParallel
-    makes a CUDA context on every GPU it uses, a few hundred MB each that only the process's end gives
-    back (empty_cache() does not): held by the parent, it would crowd the DDP ranks, and on GPUs in
-    EXCLUSIVE_PROCESS mode, as clusters often run them, keep them from making theirs at all."""
-    write_json(args.record, run_single(args))
+    return summarize(run, mode, gpus if mode == "dp" else 0, device, threads, peak_memory_mb(devices), True, args)
 
 
 # ---------------------------------------------------------------- the DDP run
@@ -352,7 +293,7 @@ def train_ddp(device, args):
     return summarize(run, "ddp", 0, device, threads, (peak.item(), kind), in_sync, args)
 
 
-def main(rank, args):
+def run_ddp_worker(rank, args):
     """One DDP process; mp.spawn passes the rank first. Rank 0 hands its record to the parent."""
     device = setup(rank, args)
     try:
@@ -367,15 +308,106 @@ def main(rank, args):
 
 
 def run_processes(fn, args, nprocs):
-    """Start `fn` in nprocs processes (mp.spawn) and wait for them; returns the record the first one wrote."""
+    """mp.spawn runs fn(rank, args) in `nprocs` processes; returns the record their rank 0 wrote for this parent."""
     with tempfile.TemporaryDirectory() as tmp:
-        args.record = os.path.join(tmp, "record.json")
-        join_processes(mp.spawn(fn, args=(args,), nprocs=nprocs, join=False))  # fn(rank, args) in each
+        args.record = os.path.join(tmp, "record.json")  # a spawned process returns nothing: it leaves a file
+        context = mp.spawn(fn, args=(args,), nprocs=nprocs, join=False)  # fn(rank, args) in each
+        join_processes(context)  # the harness: a rank's exit as one line
         with open(args.record) as f:
             return json.load(f)
 
 
-# ---------------------------------------------------------------- the comparison
+# ---------------------------------------------------------------- main
+def report(records, args):
+    """The metrics (--metrics) and the `done:` line; exit 1 when a run's replicas differ."""
+    summary = dict(records[-1])
+    if args.compare:
+        summary["compare"] = records
+    if args.metrics:
+        write_json(args.metrics, summary)
+    runs = " vs ".join(f"{describe(r)} {r['steady_samples_per_s']:.0f} samples/s, loss {r['first_loss']:.4f} -> "
+                       f"{r['final_loss']:.4f}, test acc {r['test_accuracy']:.3f}" for r in records)
+    in_sync = all(r["replicas_in_sync"] for r in records)
+    print0(f"done: {summary['script']} | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {runs} | "
+           f"replicas {'in sync' if in_sync else 'DIFFER'}")
+    if not in_sync:
+        sys.exit(1)
+
+
+def main():
+    """The single-process run (DataParallel or plain), the DDP run (--ddp), or one then the other (--compare)."""
+    args = check_args(parse_args())
+    if args.ddp or args.compare:
+        prepare_rendezvous(args, spawning=True)  # a busy MASTER_PORT fails now, not after the first run
+    records = []
+    if args.compare:  # the parent holds no device memory, nor a CUDA context, when the DDP ranks start
+        records.append(run_processes(run_single_apart, args, 1))
+    elif not args.ddp:
+        records.append(run_single(args))
+    if args.ddp or args.compare:
+        records.append(run_processes(run_ddp_worker, args, args.nprocs))
+    if args.compare:
+        print_comparison(*records)
+    report(records, args)
+
+
+# ---- beyond the lesson: --compare's first run in a process apart, the metrics record, peak memory, the table ----
+def run_single_apart(index, args):
+    """--compare's first run, in a process of its own (mp.spawn passes the index first). DataParallel
+    makes a CUDA context on every GPU it uses, a few hundred MB each that only the process's end gives
+    back (empty_cache() does not): held by the parent, it would crowd the DDP ranks, and on GPUs in
+    EXCLUSIVE_PROCESS mode, as clusters often run them, keep them from making theirs at all."""
+    write_json(args.record, run_single(args))
+
+
+def summarize(run, mode, dp_devices, device, threads, memory, in_sync, args):
+    """The contract's metrics record for one run (plus this script's keys)."""
+    history = run["history"]
+    elapsed = sum(h["seconds"] for h in history)
+    steady = history[1:] or history  # the first epoch pays for warm-up (allocator, threads, buckets)
+    world = rank_and_world()[1]
+    return {
+        "script": os.path.basename(__file__), "mode": mode, "dp_devices": dp_devices,
+        "world_size": world, "backend": dist.get_backend() if dist.is_initialized() else None,
+        "device": device.type, "torch": torch.__version__, "threads_per_process": threads,
+        "pid": os.getpid(), "parent_pid": os.getppid(),
+        "epochs": args.epochs, "steps": run["steps"], "steps_per_epoch": run["steps_per_epoch"],
+        "batch_size": args.batch_size, "batch_size_per_process": args.batch_size // world,
+        "elapsed_s": elapsed, "samples_per_s": sum(h["samples"] for h in history) / elapsed,
+        "steady_samples_per_s": sum(h["samples"] for h in steady) / sum(h["seconds"] for h in steady),
+        "epoch_samples_per_s": [h["samples"] / h["seconds"] for h in history],
+        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "losses": [h["loss"] for h in history], "accuracy": history[-1]["accuracy"],
+        "test_accuracy": run["test_accuracy"], "chance_accuracy": run["chance_accuracy"],
+        "peak_memory_mb": memory[0], "peak_memory_kind": memory[1],
+        "replicas_in_sync": in_sync, "resumed_from_epoch": 0,
+    }
+
+
+def reset_peak_memory(devices):
+    """The device allocators count their peak from here (the CPU's peak RSS cannot be reset)."""
+    for d in devices if devices[0].type != "cpu" else []:
+        torch.get_device_module(d.type).reset_peak_memory_stats(d)
+
+
+def peak_memory_mb(devices):
+    """Peak memory of this process: the device allocator's peak on GPUs, peak RSS on CPU."""
+    if devices[0].type != "cpu":  # torch.cuda, torch.xpu, ...: each device module counts its allocator's peak
+        module = torch.get_device_module(devices[0].type)
+        return (max(module.max_memory_allocated(d) for d in devices) / 2 ** 20,
+                f"{devices[0].type} max_memory_allocated")
+    # Linux carries ru_maxrss across exec, so a spawned rank would report its parent's
+    # peak; VmHWM is the peak of this process's own address space
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kib / 2 ** 10, "peak RSS"
+    except (OSError, StopIteration):
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return maxrss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10), "peak RSS (getrusage)"
+
+
+
 def describe(record):
     """`dp (2 GPUs)`, `plain (1 x cpu)` or `ddp (2 x cpu, gloo)`: what a column of the comparison ran."""
     if record["mode"] == "dp":
@@ -401,37 +433,6 @@ def print_comparison(single, ddp):
            f"(same global batches; only the float summation order differs)\n")
 
 
-def report(records, args):
-    """The metrics (--metrics) and the `done:` line; exit 1 when a run's replicas differ."""
-    summary = dict(records[-1])
-    if args.compare:
-        summary["compare"] = records
-    if args.metrics:
-        write_json(args.metrics, summary)
-    runs = " vs ".join(f"{describe(r)} {r['steady_samples_per_s']:.0f} samples/s, loss {r['first_loss']:.4f} -> "
-                       f"{r['final_loss']:.4f}, test acc {r['test_accuracy']:.3f}" for r in records)
-    in_sync = all(r["replicas_in_sync"] for r in records)
-    print0(f"done: {summary['script']} | torch {torch.__version__} | {plural(args.epochs, 'epoch')} | {runs} | "
-           f"replicas {'in sync' if in_sync else 'DIFFER'}")
-    if not in_sync:
-        sys.exit(1)
-
-
-def run(args):
-    """The single-process run, the DDP run, or one then the other (--compare)."""
-    if args.ddp or args.compare:
-        prepare_rendezvous(args, spawning=True)  # a busy MASTER_PORT fails now, not after the first run
-    records = []
-    if args.compare:  # the parent holds no device memory, nor a CUDA context, when the DDP ranks start
-        records.append(run_processes(single_process, args, 1))
-    elif not args.ddp:
-        records.append(run_single(args))
-    if args.ddp or args.compare:
-        records.append(run_processes(main, args, args.nprocs))
-    if args.compare:
-        print_comparison(*records)
-    report(records, args)
-
 
 # =============================================================================
 # ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
@@ -447,7 +448,6 @@ import signal
 import socket
 import threading
 import traceback
-import torch.multiprocessing as mp
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -847,4 +847,4 @@ def join_processes(context):
 
 
 if __name__ == "__main__":
-    run(check_args(parse_args()))
+    main()
