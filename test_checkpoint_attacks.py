@@ -227,7 +227,7 @@ def test_deep_nesting_and_a_large_file_are_one_line(ck, capsys, monkeypatch):
     refused(lambda: resume(ck), capsys, "refused unread")
     path.write_bytes(b"\x80\x04" + b"(" * 100_000 + b".")
     refused(lambda: resume(ck), capsys, "refused unread")
-    monkeypatch.setattr(fsdp, "METADATA_LIMIT", 1000)  # the bound, checked before a byte is unpickled
+    monkeypatch.setattr(fsdp.MetadataUnpickler, "LIMIT", 1000)  # the bound, checked before a byte is unpickled
     path.write_bytes(original)
     refused(lambda: resume(ck), capsys, "refused unread", "at most")
 
