@@ -110,7 +110,6 @@ VAL_FRACTION = 0.1
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
 POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
-LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
 MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
 
 
@@ -281,23 +280,6 @@ def check_args(args):
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
     lock_checkpoint_folder(args.checkpoint)  # a second run on the same folder: one line
     return args
-
-
-def refuse_ignored_model_flags(args):
-    """A model flag passed that model_config does not read would be ignored without a word (a ported
-    model with no attention heads still taking --num_heads): one error line instead."""
-    read = set()
-
-    class Reading:  # args, noting which of them model_config reads
-        def __getattr__(self, name):
-            read.add(name)
-            return getattr(args, name)
-    model_config(Reading(), None)
-    ignored = [f"--{name}" for name in args.model_flags if name not in read]
-    if ignored:
-        one = len(ignored) == 1
-        fail(f"{', '.join(ignored)} {'is' if one else 'are'} not used by this script's model (model_config does "
-             f"not read {'it' if one else 'them'})", f"drop {' '.join(ignored)}")
 
 
 # ---------------------------------------------------------------- process group
@@ -593,6 +575,429 @@ def model_config(args, vocab):  # PORT: your model's constructor arguments, from
             "dropout": args.dropout, "positions": "rotary"}
 
 
+# ---------------------------------------------------------------- train / evaluate
+def make_optimizer(model, args):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding (PORT: its name)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+
+
+def lr_at(step, total, args):
+    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
+
+    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
+    they are built and keep a step count of their own in the checkpoint, while a run resumed
+    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
+    """
+    warm = int(args.warmup * total)
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@contextlib.contextmanager
+def no_sync(model):
+    """FSDP2's counterpart of DDP's no_sync(): backward passes in here reduce-scatter nothing; the
+    gradients stay unsharded (a whole model's worth) and add up until a backward outside reduces them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def step_seed(seed, rank, step):
+    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
+    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
+    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
+    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
+    the same on every rank before it is sharded."""
+    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
+
+
+def train_step(model, optimizer, micro_batches, clip, step_tokens=None, reduce_every=False, mark=None):
+    """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
+
+    The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
+    reduce-scatters the sum once; with reduce_every (--accumulate sharded) every backward
+    reduce-scatters, and only the shards of the gradients are held between micro-batches.
+    mark: called before the first forward and after each backward (Memory measures the gradients).
+    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
+    Each micro-batch's summed loss is divided by them and multiplied by the world size,
+    which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
+    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
+    Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
+    """
+    tokens = sum(y.numel() for _, y in micro_batches)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
+    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
+    mark = mark or (lambda label: None)
+    mark("start")
+    for i, (x, y) in enumerate(micro_batches):
+        sync = reduce_every or i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else no_sync(model):
+            logits = model(x)  # no autocast: the MixedPrecisionPolicy casts (shard())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+        del logits, loss  # what the backward left alive is now the gradients alone (Memory measures them)
+        mark(f"backward {i + 1}")
+    norm = None
+    if clip:
+        # the norm of the whole gradient, a DTensor (each rank holds a shard); full_tensor(): a plain number
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, tokens, norm
+
+
+@torch.no_grad()
+def evaluate(model, dataset, indices, batches):
+    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes.
+
+    Every forward all-gathers the weights, so every rank must run as many (some may be empty).
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for batch in torch.as_tensor(indices, dtype=torch.long).tensor_split(batches):
+        x, y = dataset[batch]
+        logits = model(x)
+        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
+        totals[1] += y.numel()
+    model.train(was_training)
+    return totals
+
+
+@torch.no_grad()
+def generate(model, vocab, prompt, count, seed):
+    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
+    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(count):
+        logits = model(ids[:, -model.max_len:])[0, -1].float()  # PORT: your model's context length
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
+        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
+        ids = torch.cat([ids, nxt], dim=1)
+    model.train(was_training)
+    return "".join(vocab[i] for i in ids[0].tolist())
+
+
+def export(model, payload, path):
+    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
+    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
+    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        save_checkpoint({"model": weights, **payload}, path)
+        print0(f"exported the whole model to {path}", every_rank=True)
+    del weights
+
+
+# ---------------------------------------------------------------- checkpoint
+
+
+def save_tensors(tensors, root, folder):
+    """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
+    after every rank has written, each file created in the folder's descriptor (SaveFiles). A write that
+    fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
+    (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
+    try:
+        with SaveFolder(root, folder) as save:
+            dcp.save(tensors, storage_writer=SafeWriter(save))
+    except (Exception, dcp.CheckpointException) as e:
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            remove_save(root, folder)
+        fail(f"cannot save checkpoint {os.path.join(root, folder)} ({failure_of(e)}); {POINTER} still names "
+             "the previous save", "free space on the disk or make the folder writable, then resume")
+
+
+# ---------------------------------------------------------------- trainer
+def global_mean(loss_sum, count, device):
+    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
+    dist.all_reduce(totals)
+    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
+
+
+def run_length(steps_per_epoch, args):
+    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
+    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
+    return total, math.ceil(total / steps_per_epoch)
+
+
+def shard(model, device, args):  # PORT: your model's repeated blocks (model.layers here), then the root
+    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring).
+
+    What it expects of the model: a list of blocks, each one unit of all-gather and reduce-scatter
+    (model.layers), and the rest under the root. A weight used in two places (an embedding tied to
+    the output layer) must be in one unit: leave both modules to the root, never one in a block.
+    """
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # named: a CPU mesh runs on gloo
+    bf16 = args.amp == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.float32 if bf16 else None)
+    # the root returns its output layer's result, a view; FSDP warns of in-place ops on it, which this loop never does
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    model = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    model.reduce_averages = reduction_averages(mesh, device)  # train_step scales the loss by it
+    if not model.reduce_averages:
+        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
+               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
+    return model
+
+
+def reduction_averages(mesh, device):
+    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
+    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
+    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
+    mean (world + 1) / 2 comes back where FSDP averages."""
+    world = dist.get_world_size()
+    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
+    fully_shard(probe, mesh=mesh)
+    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
+    return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
+
+
+class Trainer:
+    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
+
+    def __init__(self, model, data, optimizer, device, args, checkpoint=None, memory=None):
+        self.model = model  # sharded: each rank holds its shard of every parameter
+        self.train_set, self.val_set, self.vocab, self.config = data
+        self.optimizer, self.device, self.args = optimizer, device, args
+        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
+        self.epochs_run, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
+        self.committed = checkpoint["folder"] if checkpoint else None  # the save the pointer names
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
+        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
+        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
+        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
+        self.total, self.epochs = run_length(self.steps_per_epoch, args)
+        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
+        if checkpoint is not None:
+            note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
+        # beyond the lesson: tokens/s and MFU (clock), bytes (memory: built before the model, for its peak)
+        self.clock, self.memory = Throughput(model, args, device), memory or Memory(device, args.profile_memory)
+        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
+        self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
+        self.log_sum, self.log_count = torch.zeros((), device=device), 0
+
+    def _tensors(self):
+        """What a save holds: the model's and AdamW's tensors, as DTensors (each rank its shards, which
+        DCP reshards on load). The param groups' numbers are the run's arguments, not saved."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if empty
+        return {"model": model, "optimizer": optimizer["state"]}, optimizer["param_groups"]
+
+    def _load_checkpoint(self, state):
+        """Each rank reads the parts of the saved tensors that its shards hold, at any world size."""
+        start = time.perf_counter()
+        tensors, groups = self._tensors()
+        try:
+            with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
+                dcp.load(tensors, storage_reader=SafeReader(save))
+        except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
+            fail(f"cannot read checkpoint {self.args.checkpoint} ({failure_of(e)})",
+                 "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+        name = first_non_finite(tensors)
+        if name:
+            fail(f"checkpoint {self.args.checkpoint} holds a NaN or an infinity in {name[:120]}",
+                 "resume from a save made before the run diverged, or delete it to start afresh")
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+        self.load_s = time.perf_counter() - start
+        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
+        self.step = state["step"]
+
+    def _save_checkpoint(self, epoch):
+        """The position in global units, the windows of the epoch's order trained and the global batch
+        that trained them, so that any world size that keeps the global batch can continue."""
+        finished = self.windows_in_epoch == len(self.train_set)
+        start = time.perf_counter()
+        root = self.args.checkpoint
+        folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
+        dist.barrier()
+        save_tensors(self._tensors()[0], root, folder)
+        if dist.get_rank() == 0:
+            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
+                                             "epoch": epoch + 1 if finished else epoch, "step": self.step,
+                                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                                             "schedule": self.schedule, "world_size": dist.get_world_size()})
+        self.committed = folder
+        dist.barrier()  # nobody reads the checkpoint before it is complete
+        self.save_s.append(time.perf_counter() - start)
+        self.clock.left_out(self.save_s[-1])
+
+    def validate(self):
+        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
+        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
+        most = math.ceil(len(self.val_set) / dist.get_world_size())  # rank 0's windows, the most any rank has
+        totals = evaluate(self.model, self.val_set, indices, math.ceil(most / self.args.batch_size))
+        self.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _log(self):
+        args, step = self.args, self.step
+        if args.log_every and step % args.log_every == 0:
+            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
+            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
+            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+                   + self.clock.mfu_since_mark())
+        if args.eval_every and step % args.eval_every == 0 and step < self.total:
+            start = time.perf_counter()
+            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
+            self.clock.left_out(time.perf_counter() - start)
+
+    def stepped(self, epoch, s, loss_sum, tokens, norm, step_tokens):
+        """After step s of the epoch: where the run is, the sums, the log lines and --save_every_steps."""
+        n = len(self.train_set)
+        self.step, self.steps, self.windows_in_epoch = self.step + 1, self.steps + 1, min(n, (s + 1) * self.global_batch)
+        self.epoch_sum, self.epoch_count = self.epoch_sum + loss_sum, self.epoch_count + tokens
+        self.log_sum, self.log_count = self.log_sum + loss_sum, self.log_count + tokens
+        self.grad_norms.append(norm)
+        self.clock.stepped(step_tokens)
+        self.memory.after_step(self.steps)
+        self._log()
+        if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
+                and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
+            self._save_checkpoint(epoch)
+
+    def start_epoch(self, epoch):
+        """A new shuffle and a new grid of windows, the same on every rank; returns the clock readings."""
+        self.sampler.set_epoch(epoch)
+        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))
+        self.epoch_sum, self.epoch_count = torch.zeros((), device=self.device), 0
+        return time.perf_counter(), self.clock.reading()
+
+    def end_epoch(self, epoch, started):
+        """The epoch's mean loss over all ranks, a checkpoint and the epoch's line; returns the loss."""
+        loss, tokens = global_mean(self.epoch_sum, self.epoch_count, self.device)
+        seconds, windows = time.perf_counter() - started[0], tokens // self.args.block_size
+        self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
+        done = math.ceil(self.windows_in_epoch / self.global_batch)
+        self._save_checkpoint(epoch)
+        print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
+               f"{windows} windows | {self.clock.rate_since(started[1])} | {seconds:.2f} s | "
+               f"checkpoint {self.args.checkpoint}")
+        self.windows_in_epoch = 0  # the next epoch starts at its beginning
+        return loss
+
+
+# ---------------------------------------------------------------- main
+def train(device, args, corpus, checkpoint):
+    """Validate, train to --max_steps (or --epochs), validate, sample; returns whether the replicas agree."""
+    trainer = build_trainer(device, args, corpus, checkpoint)
+    model, optimizer, g = trainer.model, trainer.optimizer, trainer.global_batch
+    first_val = trainer.validate()
+    print0(f"validation loss {first_val:.4f} before training")
+    history, ended = [], trainer.epochs_run
+    trainer.clock.start()  # tokens/s and MFU count from here
+    for epoch in range(trainer.epochs_run, trainer.epochs):
+        if trainer.step >= trainer.total:
+            break
+        started = trainer.start_epoch(epoch)  # sampler.set_epoch: a new shuffle, the same on every rank
+        for s, windows, step_windows in epoch_steps(trainer.sampler, g, trainer.windows_in_epoch // g, device):
+            if trainer.step >= trainer.total:
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(trainer.step, trainer.schedule, args)
+            torch.manual_seed(step_seed(args.seed, dist.get_rank(), trainer.step))  # dropout: see step_seed
+            micro_batches = [trainer.train_set[w] for w in windows.tensor_split(args.grad_accum)]
+            step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
+            loss_sum, tokens, norm = train_step(model, optimizer, micro_batches, args.clip, step_tokens,
+                                                args.accumulate == "sharded", trainer.memory.mark_first(trainer.steps))
+            trainer.stepped(epoch, s, loss_sum, tokens, norm, step_tokens)  # logs, --save_every_steps
+        history.append(trainer.end_epoch(epoch, started))  # the mean loss, a checkpoint, the epoch's line
+        ended = epoch + 1
+    trainer.clock.stop()
+    return finish(trainer, history, ended, first_val)
+
+
+def build_trainer(device, args, corpus, checkpoint):
+    """The model (built whole from --seed on every rank, then sharded), the data, the optimizer, resumed."""
+    text, name, vocab = corpus
+    torch.manual_seed(args.seed)
+    check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
+                             "another Python version or file on another node? pass --data PATH on a "
+                             "file system every node sees")
+    config = model_config(args, vocab)
+    memory = Memory(device, args.profile_memory)  # its peak counts from here
+    # the whole model from the seed on every rank, then sharded: the same weights at any world size
+    model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
+    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
+                      make_optimizer(model, args), device, args, checkpoint, memory)
+    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
+    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
+    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
+                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
+                             "node sees, or copy the newest one to every node")
+    trainer.entropy = unigram_entropy(text) if vocab else None
+    describe(trainer, name, trainer.entropy)
+    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
+    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
+                                           else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
+    return trainer
+
+
+def finish(trainer, history, epochs, first_val):
+    """Validate, sample, export, compare the replicas, report; returns whether they agree."""
+    args, model, vocab = trainer.args, trainer.model, trainer.vocab
+    val = trainer.validate()
+    # from here on nothing is gathered whole: the sample runs the sharded model, --export streams one
+    # parameter at a time to rank 0's CPU, and the replica check reads each rank's shards where they are
+    if args.sample and vocab:  # every rank runs the forwards (each block all-gathered in turn); rank 0 prints
+        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
+        print0(f"sample ({args.sample} characters):\n{text_out}")
+        model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
+    if args.export:
+        export(model, {"config": trainer.config, "vocab": vocab}, args.export)
+    in_sync = replicas_in_sync(model, trainer.device)  # the shards tile the model; a fingerprint of them (harness)
+    trainer.memory.count(model, trainer.optimizer)  # the bytes, after everything: the peak is the whole run's
+    report(trainer, history, epochs, (first_val, val, trainer.entropy), in_sync, args)
+    return in_sync
+
+
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    corpus = read_corpus(args)
+    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
+    # a bad checkpoint is refused (one line) before any process group exists
+    checkpoint = read_checkpoint(args, corpus) if args.resume else None
+    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
+        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, lambda: describe_checkpoint_folder(args.checkpoint)):
+            in_sync = train(device, args, corpus, checkpoint)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+
+
+# ---- beyond the lesson: MFU and memory accounting, resuming at another world size, the checkpoint folder's pointer and lock ----
 def flops_per_token(model, block):  # PORT: your model's FLOPs (only the MFU and the model: line use it)
     """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
 
@@ -654,32 +1059,176 @@ def peak_of(name, precision):
     return None, f"no peak is known for {name}"
 
 
-# ---------------------------------------------------------------- train / evaluate
-def make_optimizer(model, args):
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr)
-    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding (PORT: its name)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+class Throughput:
+    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
+    of the first optimizer step (it allocates) to stop(), less the seconds left_out() (evaluation,
+    checkpoints). Every rate printed, and the metrics', counts this way."""
+
+    def __init__(self, model, args, device):
+        peak, self.peak_source = device_peak(args, device)
+        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use
+        self.flops_per_token, self.device = flops_per_token(model, args.block_size), device
+        self.clock, self.stopped, self.first_step_s, self.tokens, self.mark = None, None, 0.0, 0, (0.0, 0)
+        self.excludes = "first step left out"
+        self.start()
+
+    def start(self):  # the first step's seconds count from here
+        self.started = time.perf_counter()
+
+    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
+        if self.clock is not None:
+            self.tokens += tokens
+            return
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        self.clock = time.perf_counter()
+        self.first_step_s = self.clock - self.started
+
+    def left_out(self, seconds):  # once started, the clock starts that much later
+        if self.clock is not None:
+            self.clock += seconds
+
+    def stop(self):
+        self.stopped = time.perf_counter()
+
+    def reading(self):  # (seconds, tokens) timed so far
+        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
+
+    def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
+        seconds, tokens = now[0] - since[0], now[1] - since[1]
+        rate = tokens / seconds if seconds > 0 else 0.0
+        return rate, f" | MFU {100 * rate * self.flops_per_token / self.peak:.2f}%" if self.peak and seconds > 0 else ""
+
+    def rate_since(self, since):
+        """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
+        rate, mfu = self.rate(since, self.reading())
+        return f"{rate:.0f} tokens/s{f' ({self.excludes})' if since == (0.0, 0) else ''}{mfu}"
+
+    def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
+        since, self.mark = self.mark, self.reading()
+        return self.rate(since, self.mark)[1] if self.mark[1] else ""
 
 
-def lr_at(step, total, args):
-    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
+class Memory:
+    """This rank's bytes of parameters, gradients and optimizer state, and the peak, all measured.
 
-    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
-    they are built and keep a step count of their own in the checkpoint, while a run resumed
-    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
+    Parameters and optimizer state are counted from this rank's tensors (a DTensor's local shard).
+    Gradients are measured: the bytes of tensors alive after each backward of the first step, less
+    those alive before its first forward (the most over its micro-batches: under --grad_accum
+    unsharded, FSDP2 holds whole gradients between them). The peak is the most bytes of tensors alive
+    at once: on an accelerator by torch's allocator, over the whole run, its end included; on the CPU,
+    where torch keeps no such count (and the process's resident size holds the libraries, and pages
+    malloc keeps after a free), by the profiler's record of every tensor allocation and free, over the
+    first two steps, or with --profile_memory over the whole run, its end included (the profiler's own
+    record grows with the run: about 500 MiB of process memory, not of tensors, over a 60-step run).
     """
-    warm = int(args.warmup * total)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def __init__(self, device, whole_run=False):
+        self.device, self.whole_run, self.counted, self.marks, self.profiler, self.cpu_peak = \
+            device, whole_run, {}, {}, None, None
+        if device.type != "cpu":
+            torch.get_device_module(device).reset_peak_memory_stats(device)  # torch.accelerator.*: from 2.9
+        elif torch.autograd.profiler._is_profiler_enabled:  # yours, around the run: left alone (one at a time)
+            print0("note: a profiler is already recording: no peak of this script's own")
+        else:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True)
+            self.profiler.start()
+            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
+
+    def mark(self, label):
+        """Note the bytes of tensors alive now, as `label`: every tensor and gradient Python still reaches
+        (each storage once). Not the profiler's running total, which misses what other threads free."""
+        gc.collect()
+        seen, total = set(), 0
+        for obj in gc.get_objects():
+            if type(obj) not in (torch.Tensor, nn.Parameter):  # a DTensor's own local tensor is found apart
+                continue
+            grad = obj.grad if type(obj) is nn.Parameter else None
+            for t in (obj, grad.to_local() if hasattr(grad, "to_local") else grad):
+                if t is not None and t.device.type == self.device.type and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+        self.marks[label] = total
+
+    def mark_first(self, steps):
+        """What train_step calls to mark the first step's tensors (`mark`), None after it."""
+        return self.mark if steps == 0 else None
+
+    def after_step(self, steps):
+        """After this invocation's step `steps`: the CPU peak's window ends after the second, unless whole_run."""
+        if steps == 2 and not self.whole_run:
+            self.stop()
+
+    def stop(self):
+        """End the CPU's record: the running total of its allocations (+) and frees (-), by address. A free
+        on a thread the profiler does not watch (gloo's, which ends a collective) is not recorded: a later
+        allocation at the same address says the block was freed, so such losses do not add up."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        alive, peak, blocks = 0, 0, {}
+        for ptr, size in sorted(allocations(self.profiler.profiler.kineto_results.experimental_event_tree())):
+            alive -= blocks.pop(ptr[1], 0)  # freed now, or (size > 0) freed unseen before this allocation
+            if size > 0:
+                blocks[ptr[1]] = size
+                alive += size
+            peak = max(peak, alive)
+        self.profiler, self.cpu_peak = None, peak
+
+    def count(self, model, optimizer):
+        """This rank's bytes (and every rank's, gathered: every rank calls this), the gradients measured."""
+        def size(t):
+            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+            return t.numel() * t.element_size()
+        self.stop()
+        params = sum(size(p) for p in model.parameters())
+        after = [v for k, v in self.marks.items() if k.startswith("backward")]
+        grads = max(after) - self.marks["start"] if after and self.marks.get("start") is not None else 0
+        mine = torch.tensor([params, grads, sum(size(t) for st in optimizer.state.values()
+                                                for t in st.values() if torch.is_tensor(t))], device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        names = ("param_bytes", "grad_bytes", "optimizer_bytes")
+        self.counted = {**dict(zip(names, mine.tolist())),
+                        "memory_per_rank": {n: [int(e[i]) for e in every] for i, n in enumerate(names)}}
+        print0(f"memory per rank: parameters {params / 2**20:.2f} MiB | gradients {grads / 2**20:.2f} MiB "
+               f"(measured) | optimizer state {mine[2].item() / 2**20:.2f} MiB (rank 0's; all ranks: "
+               f"{' + '.join(f'{int(e.sum()) / 2**20:.2f}' for e in every)} MiB)")
+
+    def peak(self):
+        """Bytes at the peak since construction, as the class says."""
+        if self.device.type != "cpu":
+            return torch.get_device_module(self.device).max_memory_allocated(self.device)
+        self.stop()
+        return self.cpu_peak or 0
+
+
+def allocations(events):
+    """((time, address), bytes) of every allocation (bytes > 0) and free (< 0) in the profiler's event tree."""
+    for event in events:
+        fields = event.extra_fields
+        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
+            yield (event.start_time_ns, fields.ptr), fields.alloc_size
+        yield from allocations(event.children)
+
+
+def refuse_ignored_model_flags(args):
+    """A model flag passed that model_config does not read would be ignored without a word (a ported
+    model with no attention heads still taking --num_heads): one error line instead."""
+    read = set()
+
+    class Reading:  # args, noting which of them model_config reads
+        def __getattr__(self, name):
+            read.add(name)
+            return getattr(args, name)
+    model_config(Reading(), None)
+    ignored = [f"--{name}" for name in args.model_flags if name not in read]
+    if ignored:
+        one = len(ignored) == 1
+        fail(f"{', '.join(ignored)} {'is' if one else 'are'} not used by this script's model (model_config does "
+             f"not read {'it' if one else 'them'})", f"drop {' '.join(ignored)}")
 
 
 def note_schedule(saved, schedule, step, args):
@@ -692,146 +1241,53 @@ def note_schedule(saved, schedule, step, args):
            f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
 
 
-@contextlib.contextmanager
-def no_sync(model):
-    """FSDP2's counterpart of DDP's no_sync(): backward passes in here reduce-scatter nothing; the
-    gradients stay unsharded (a whole model's worth) and add up until a backward outside reduces them."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+def choose_split(global_batch, world, passed, usual):
+    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
 
-
-def step_seed(seed, rank, step):
-    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
-    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
-    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
-    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
-    the same on every rank before it is sharded."""
-    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
-
-
-def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None, reduce_every=False, mark=None):
-    """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
-
-    The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
-    reduce-scatters the sum once; with reduce_every (--accumulate sharded) every backward
-    reduce-scatters, and only the shards of the gradients are held between micro-batches.
-    mark: called before the first forward and after each backward (Memory measures the gradients).
-    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
-    Each micro-batch's summed loss is divided by them and multiplied by the world size,
-    which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
-    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
-    Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
+    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
+    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
+    that divides this process's share of the step, and as many micro-batches as that takes.
     """
-    tokens = sum(y.numel() for _, y in micro_batches)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
-    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
-    mark = mark or (lambda label: None)
-    mark("start")
-    for i, (x, y) in enumerate(micro_batches):
-        sync = reduce_every or i == len(micro_batches) - 1
-        with contextlib.nullcontext() if sync else no_sync(model):
-            with amp:
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            (loss * scale).backward()
-        loss_sum += loss.detach()
-        del logits, loss  # what the backward left alive is now the gradients alone (Memory measures them)
-        mark(f"backward {i + 1}")
-    norm = None
-    if clip:
-        # the norm of the whole gradient, a DTensor (each rank holds a shard); full_tensor(): a plain number
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, tokens, norm
+    if global_batch % world:
+        return None
+    share = global_batch // world  # windows per process per step
+    if "batch_size" in passed:
+        batches = [passed["batch_size"]]
+    elif "grad_accum" in passed:
+        batches = [share // passed["grad_accum"]]
+    else:
+        batches = range(min(usual, share), 0, -1)
+    for batch in batches:
+        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
+            return batch, share // batch
+    return None
 
 
-@torch.no_grad()
-def evaluate(model, dataset, indices, batches, amp):
-    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes.
+def keep_global_batch(args, state, world):
+    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
+    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
 
-    Every forward all-gathers the weights, so every rank must run as many (some may be empty).
+    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
+    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
+    one, and the optimization (and the learning rate tuned for it) does not change under it.
     """
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for batch in torch.as_tensor(indices, dtype=torch.long).tensor_split(batches):
-        x, y = dataset[batch]
-        with amp:
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
-        totals[1] += y.numel()
-    model.train(was_training)
-    return totals
-
-
-@torch.no_grad()
-def generate(model, vocab, prompt, count, seed):
-    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
-    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for _ in range(count):
-        logits = model(ids[:, -model.max_len:])[0, -1].float()  # PORT: your model's context length
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
-        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
-        ids = torch.cat([ids, nxt], dim=1)
-    model.train(was_training)
-    return "".join(vocab[i] for i in ids[0].tolist())
-
-
-def export(model, payload, path):
-    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
-    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
-    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        save_checkpoint({"model": weights, **payload}, path)
-        print0(f"exported the whole model to {path}", every_rank=True)
-    del weights
-
-
-# ---------------------------------------------------------------- checkpoint
-def read_checkpoint(args, corpus):
-    """The --resume checkpoint, for this model and this text; anything else is one clear error.
-
-    The pointer (JSON, checked field by field by read_pointer) names the save that counts and holds
-    what is not a tensor; the save's `.metadata` is read as data (read_metadata) and must list this
-    model's tensors, each a tensor, in files of that save's folder.
-    """
-    state, (text, _, vocab) = read_pointer(args.checkpoint), corpus
-    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
-        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
-             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
-    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
-        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
-             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
-             "to start afresh")
-    config = model_config(args, vocab)
-    differ = sorted(k for k in config if state["config"].get(k) != config[k])
-    if differ:
-        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
-             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
-             "pass the same model sizes as the run that wrote it")
-    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
-    # and a step takes no more than the epoch holds: each of a step's micro-batches runs a forward, empty or not
-    if state["windows_in_epoch"] >= windows or state["global_batch"] > windows:
-        fail(f"{os.path.join(args.checkpoint, POINTER)} is at window {state['windows_in_epoch']} of {windows}, "
-             f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
-             "delete the folder to start afresh", every_node=True)
-    with torch.device("meta"):  # the shapes only: no memory for weights
-        shapes = Transformer(**config)  # PORT: your model
-    with SaveFolder(args.checkpoint, state["folder"]) as save:
-        check_tensors(save, shapes)
-    return state
+    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
+    split = choose_split(wanted, world, args.passed, usual)
+    if split is None:
+        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
+        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
+        fix = f"resume at {fits} processes"
+        if flags:
+            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
+                else f"drop {flags} and {fix}"
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
+             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
+             f"{fix}; or start afresh with another --checkpoint")
+    if split != (args.batch_size, args.grad_accum):
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
+               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
+               f"{split[0]} x --grad_accum {split[1]}")
+    args.batch_size, args.grad_accum = split
 
 
 def read_metadata(folder):
@@ -868,7 +1324,11 @@ def check_tensors(save, model):
 
 # the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
 SAVE = re.compile(r"step-(\d{8}|[1-9]\d{8,14})(-\d{1,6})?")
+
+
 POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
+
+
 POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
                   "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
 
@@ -971,21 +1431,6 @@ def commit_checkpoint(root, folder, state):
             remove_save(root, name)  # only our own folders: never a link's target or another mount
 
 
-def save_tensors(tensors, root, folder):
-    """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
-    after every rank has written, each file created in the folder's descriptor (SaveFiles). A write that
-    fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
-    (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
-    try:
-        with SaveFolder(root, folder) as save:
-            dcp.save(tensors, storage_writer=SafeWriter(save))
-    except (Exception, dcp.CheckpointException) as e:
-        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-            remove_save(root, folder)
-        fail(f"cannot save checkpoint {os.path.join(root, folder)} ({failure_of(e)}); {POINTER} still names "
-             "the previous save", "free space on the disk or make the folder writable, then resume")
-
-
 def describe_checkpoint_folder(root):
     """What a stopped run leaves in the checkpoint folder `root`, said as describe_checkpoint says it of a
     file: the save its pointer names. Read leniently: Ctrl-C's line is no place for an error of its own."""
@@ -1019,448 +1464,41 @@ def continue_checkpoint_folder(root, resume):
          "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
 
 
-def choose_split(global_batch, world, passed, usual):
-    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
+def read_checkpoint(args, corpus):
+    """The --resume checkpoint, for this model and this text; anything else is one clear error.
 
-    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
-    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
-    that divides this process's share of the step, and as many micro-batches as that takes.
+    The pointer (JSON, checked field by field by read_pointer) names the save that counts and holds
+    what is not a tensor; the save's `.metadata` is read as data (read_metadata) and must list this
+    model's tensors, each a tensor, in files of that save's folder.
     """
-    if global_batch % world:
-        return None
-    share = global_batch // world  # windows per process per step
-    if "batch_size" in passed:
-        batches = [passed["batch_size"]]
-    elif "grad_accum" in passed:
-        batches = [share // passed["grad_accum"]]
-    else:
-        batches = range(min(usual, share), 0, -1)
-    for batch in batches:
-        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
-            return batch, share // batch
-    return None
-
-
-def keep_global_batch(args, state, world):
-    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
-    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
-
-    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
-    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
-    one, and the optimization (and the learning rate tuned for it) does not change under it.
-    """
-    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
-    split = choose_split(wanted, world, args.passed, usual)
-    if split is None:
-        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
-        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
-        fix = f"resume at {fits} processes"
-        if flags:
-            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
-                else f"drop {flags} and {fix}"
-        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
-             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
-             f"{fix}; or start afresh with another --checkpoint")
-    if split != (args.batch_size, args.grad_accum):
-        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
-               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
-               f"{split[0]} x --grad_accum {split[1]}")
-    args.batch_size, args.grad_accum = split
-
-
-# ---------------------------------------------------------------- trainer
-def global_mean(loss_sum, count, device):
-    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
-    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
-    dist.all_reduce(totals)
-    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
-
-
-def run_length(steps_per_epoch, args):
-    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
-    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
-    return total, math.ceil(total / steps_per_epoch)
-
-
-def shard(model, device, args):  # PORT: your model's repeated blocks (model.layers here), then the root
-    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring).
-
-    What it expects of the model: a list of blocks, each one unit of all-gather and reduce-scatter
-    (model.layers), and the rest under the root. A weight used in two places (an embedding tied to
-    the output layer) must be in one unit: leave both modules to the root, never one in a block.
-    """
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # named: a CPU mesh runs on gloo
-    bf16 = args.amp == "bf16"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=torch.float32 if bf16 else None)
-    # the root returns its output layer's result, a view; FSDP warns of in-place ops on it, which this loop never does
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    model = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    model.reduce_averages = reduction_averages(mesh, device)  # train_step scales the loss by it
-    if not model.reduce_averages:
-        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
-               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
-    return model
-
-
-def reduction_averages(mesh, device):
-    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
-    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
-    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
-    mean (world + 1) / 2 comes back where FSDP averages."""
-    world = dist.get_world_size()
-    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
-    fully_shard(probe, mesh=mesh)
-    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
-    return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
-
-
-class Trainer:
-    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
-
-    def __init__(self, model, data, optimizer, device, args, checkpoint=None, memory=None):
-        self.model = model  # sharded: each rank holds its shard of every parameter
-        self.train_set, self.val_set, self.vocab, self.config = data
-        self.optimizer, self.device, self.args = optimizer, device, args
-        self.amp = contextlib.nullcontext()  # no autocast: the MixedPrecisionPolicy casts (shard())
-        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
-        self.epochs_run, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
-        self.committed = checkpoint["folder"] if checkpoint else None  # the save the pointer names
-        if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
-        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
-        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
-        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
-        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
-        self.total, self.epochs = run_length(self.steps_per_epoch, args)
-        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
-        if checkpoint is not None:
-            note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
-        peak, self.peak_source = device_peak(args, device)
-        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
-        # train()'s Memory counts its peak from before the model was built
-        self.memory = memory or Memory(device, args.profile_memory)
-        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
-        self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
-        self.log_sum, self.log_count = torch.zeros((), device=device), 0
-
-    def _tensors(self):
-        """What a save holds: the model's and AdamW's tensors, as DTensors (each rank its shards, which
-        DCP reshards on load). The param groups' numbers are the run's arguments, not saved."""
-        model, optimizer = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if empty
-        return {"model": model, "optimizer": optimizer["state"]}, optimizer["param_groups"]
-
-    def _load_checkpoint(self, state):
-        """Each rank reads the parts of the saved tensors that its shards hold, at any world size."""
-        start = time.perf_counter()
-        tensors, groups = self._tensors()
-        try:
-            with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
-                dcp.load(tensors, storage_reader=SafeReader(save))
-        except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
-            fail(f"cannot read checkpoint {self.args.checkpoint} ({failure_of(e)})",
-                 "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-        name = first_non_finite(tensors)
-        if name:
-            fail(f"checkpoint {self.args.checkpoint} holds a NaN or an infinity in {name[:120]}",
-                 "resume from a save made before the run diverged, or delete it to start afresh")
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
-        self.load_s = time.perf_counter() - start
-        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
-        self.step = state["step"]
-
-    def _save_checkpoint(self, epoch):
-        """The position in global units, the windows of the epoch's order trained and the global batch
-        that trained them, so that any world size that keeps the global batch can continue."""
-        finished = self.windows_in_epoch == len(self.train_set)
-        start = time.perf_counter()
-        root = self.args.checkpoint
-        folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
-        dist.barrier()
-        save_tensors(self._tensors()[0], root, folder)
-        if dist.get_rank() == 0:
-            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
-                                             "epoch": epoch + 1 if finished else epoch, "step": self.step,
-                                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                                             "schedule": self.schedule, "world_size": dist.get_world_size()})
-        self.committed = folder
-        dist.barrier()  # nobody reads the checkpoint before it is complete
-        self.save_s.append(time.perf_counter() - start)
-        self.clock.left_out(self.save_s[-1])
-
-    def validate(self):
-        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
-        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
-        most = math.ceil(len(self.val_set) / dist.get_world_size())  # rank 0's windows, the most any rank has
-        totals = evaluate(self.model, self.val_set, indices, math.ceil(most / self.args.batch_size), self.amp)
-        self.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
-        dist.all_reduce(totals)
-        return (totals[0] / totals[1]).item()
-
-    def _run_step(self, micro_batches, step_windows):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.schedule, self.args)
-        step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
-        torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
-        loss_sum, tokens, norm = train_step(self.model, self.optimizer, micro_batches, self.amp, self.args.clip,
-                                            step_tokens, self.args.accumulate == "sharded",
-                                            self.memory.mark if self.steps == 0 else None)
-        self.grad_norms.append(norm)
-        self.step, self.steps = self.step + 1, self.steps + 1
-        self.log_sum += loss_sum
-        self.log_count += tokens
-        self.clock.stepped(step_tokens)
-        self.memory.after_step(self.steps)
-        return loss_sum, tokens
-
-    def _log(self):
-        args, step = self.args, self.step
-        if args.log_every and step % args.log_every == 0:
-            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
-            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
-            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
-                   + self.clock.mfu_since_mark())
-        if args.eval_every and step % args.eval_every == 0 and step < self.total:
-            start = time.perf_counter()
-            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
-            self.clock.left_out(time.perf_counter() - start)
-
-    def _run_epoch(self, epoch):
-        """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
-        n, g = len(self.train_set), self.global_batch
-        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
-        loss_sum, count = torch.zeros((), device=self.device), 0
-        for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
-            if self.step >= self.total:
-                break
-            micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
-            step_sum, tokens = self._run_step(micro_batches, step_windows)
-            loss_sum, count, self.windows_in_epoch = loss_sum + step_sum, count + tokens, min(n, (s + 1) * g)
-            self._log()
-            if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
-                    and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
-                self._save_checkpoint(epoch)
-        loss, tokens = global_mean(loss_sum, count, self.device)
-        return loss, math.ceil(self.windows_in_epoch / g), tokens // self.args.block_size
-
-    def train(self):
-        """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
-        history, ended = [], self.epochs_run
-        self.clock = Throughput(flops_per_token(self.model, self.args.block_size), self.peak, self.device)
-        for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total:
-                break
-            start, since = time.perf_counter(), self.clock.reading()
-            loss, done, windows = self._run_epoch(epoch)
-            seconds = time.perf_counter() - start
-            history.append(loss)
-            self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
-            ended = epoch + 1
-            self._save_checkpoint(epoch)
-            print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-                   f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
-                   f"checkpoint {self.args.checkpoint}")
-            self.windows_in_epoch = 0  # the next epoch starts at its beginning
-        self.clock.stop()
-        return history, ended
-
-
-class Throughput:
-    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
-    of the first optimizer step (it allocates, and with --compile compiles) to stop(), less the seconds
-    left_out() (evaluation, checkpoints). Every rate printed, and the metrics', counts this way."""
-
-    def __init__(self, flops_per_token, peak, device, compiling=None):  # compiling: what it takes, or None
-        self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
-        self.started, self.clock, self.stopped, self.first_step_s = time.perf_counter(), None, None, 0.0
-        self.tokens, self.mark, self.excludes = 0, (0.0, 0), f"first step{' (compiling)' if compiling else ''} left out"
-        if compiling:  # otherwise the first step is a minute of silence
-            print0(f"compiling: the first step compiles the model before it trains ({compiling}); "
-                   "tokens/s and MFU leave it out")
-
-    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
-        if self.clock is not None:
-            self.tokens += tokens
-            return
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
-        self.clock = time.perf_counter()
-        self.first_step_s = self.clock - self.started
-        if self.compiling:
-            print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
-
-    def left_out(self, seconds):  # once started, the clock starts that much later
-        if self.clock is not None:
-            self.clock += seconds
-
-    def stop(self):
-        self.stopped = time.perf_counter()
-
-    def reading(self):  # (seconds, tokens) timed so far
-        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
-
-    def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
-        seconds, tokens = now[0] - since[0], now[1] - since[1]
-        rate = tokens / seconds if seconds > 0 else 0.0
-        return rate, f" | MFU {100 * rate * self.flops_per_token / self.peak:.2f}%" if self.peak and seconds > 0 else ""
-
-    def rate_since(self, since):
-        """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
-        rate, mfu = self.rate(since, self.reading())
-        note = f" ({self.excludes})" if since == (0.0, 0) else " (no compiling in it)" if self.compiling else ""
-        return f"{rate:.0f} tokens/s{note}{mfu}"
-
-    def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
-        since, self.mark = self.mark, self.reading()
-        return self.rate(since, self.mark)[1] if self.mark[1] else ""
-
-
-class Memory:
-    """This rank's bytes of parameters, gradients and optimizer state, and the peak, all measured.
-
-    Parameters and optimizer state are counted from this rank's tensors (a DTensor's local shard).
-    Gradients are measured: the bytes of tensors alive after each backward of the first step, less
-    those alive before its first forward (the most over its micro-batches: under --grad_accum
-    unsharded, FSDP2 holds whole gradients between them). The peak is the most bytes of tensors alive
-    at once: on an accelerator by torch's allocator, over the whole run, its end included; on the CPU,
-    where torch keeps no such count (and the process's resident size holds the libraries, and pages
-    malloc keeps after a free), by the profiler's record of every tensor allocation and free, over the
-    first two steps, or with --profile_memory over the whole run, its end included (the profiler's own
-    record grows with the run: about 500 MiB of process memory, not of tensors, over a 60-step run).
-    """
-
-    def __init__(self, device, whole_run=False):
-        self.device, self.whole_run, self.counted, self.marks, self.profiler, self.cpu_peak = \
-            device, whole_run, {}, {}, None, None
-        if device.type != "cpu":
-            torch.get_device_module(device).reset_peak_memory_stats(device)  # torch.accelerator.*: from 2.9
-        elif torch.autograd.profiler._is_profiler_enabled:  # yours, around the run: left alone (one at a time)
-            print0("note: a profiler is already recording: no peak of this script's own")
-        else:
-            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines, unasked for
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                   profile_memory=True)
-            self.profiler.start()
-            atexit.register(self.stop)  # a profiler still running at exit (a run that failed early) crashes it
-
-    def mark(self, label):
-        """Note the bytes of tensors alive now, as `label`: every tensor and gradient Python still reaches
-        (each storage once). Not the profiler's running total, which misses what other threads free."""
-        gc.collect()
-        seen, total = set(), 0
-        for obj in gc.get_objects():
-            if type(obj) not in (torch.Tensor, nn.Parameter):  # a DTensor's own local tensor is found apart
-                continue
-            grad = obj.grad if type(obj) is nn.Parameter else None
-            for t in (obj, grad.to_local() if hasattr(grad, "to_local") else grad):
-                if t is not None and t.device.type == self.device.type and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
-        self.marks[label] = total
-
-    def after_step(self, steps):
-        """After this invocation's step `steps`: the CPU peak's window ends after the second, unless whole_run."""
-        if steps == 2 and not self.whole_run:
-            self.stop()
-
-    def stop(self):
-        """End the CPU's record: the running total of its allocations (+) and frees (-), by address. A free
-        on a thread the profiler does not watch (gloo's, which ends a collective) is not recorded: a later
-        allocation at the same address says the block was freed, so such losses do not add up."""
-        if self.profiler is None:
-            return
-        self.profiler.stop()
-        alive, peak, blocks = 0, 0, {}
-        for ptr, size in sorted(allocations(self.profiler.profiler.kineto_results.experimental_event_tree())):
-            alive -= blocks.pop(ptr[1], 0)  # freed now, or (size > 0) freed unseen before this allocation
-            if size > 0:
-                blocks[ptr[1]] = size
-                alive += size
-            peak = max(peak, alive)
-        self.profiler, self.cpu_peak = None, peak
-
-    def count(self, model, optimizer):
-        """This rank's bytes (and every rank's, gathered: every rank calls this), the gradients measured."""
-        def size(t):
-            t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
-            return t.numel() * t.element_size()
-        self.stop()
-        params = sum(size(p) for p in model.parameters())
-        after = [v for k, v in self.marks.items() if k.startswith("backward")]
-        grads = max(after) - self.marks["start"] if after and self.marks.get("start") is not None else 0
-        mine = torch.tensor([params, grads, sum(size(t) for st in optimizer.state.values()
-                                                for t in st.values() if torch.is_tensor(t))], device=self.device)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        names = ("param_bytes", "grad_bytes", "optimizer_bytes")
-        self.counted = {**dict(zip(names, mine.tolist())),
-                        "memory_per_rank": {n: [int(e[i]) for e in every] for i, n in enumerate(names)}}
-        print0(f"memory per rank: parameters {params / 2**20:.2f} MiB | gradients {grads / 2**20:.2f} MiB "
-               f"(measured) | optimizer state {mine[2].item() / 2**20:.2f} MiB (rank 0's; all ranks: "
-               f"{' + '.join(f'{int(e.sum()) / 2**20:.2f}' for e in every)} MiB)")
-
-    def peak(self):
-        """Bytes at the peak since construction, as the class says."""
-        if self.device.type != "cpu":
-            return torch.get_device_module(self.device).max_memory_allocated(self.device)
-        self.stop()
-        return self.cpu_peak or 0
-
-
-def allocations(events):
-    """((time, address), bytes) of every allocation (bytes > 0) and free (< 0) in the profiler's event tree."""
-    for event in events:
-        fields = event.extra_fields
-        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
-            yield (event.start_time_ns, fields.ptr), fields.alloc_size
-        yield from allocations(event.children)
-
-
-# ---------------------------------------------------------------- main
-def train(device, args, corpus, checkpoint):
-    """Build the data, model and trainer, train, validate before and after; returns whether replicas agree."""
-    text, name, vocab = corpus
-    torch.manual_seed(args.seed)
-    check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
-                             "another Python version or file on another node? pass --data PATH on a "
-                             "file system every node sees")
+    state, (text, _, vocab) = read_pointer(args.checkpoint), corpus
+    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
+        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
+             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
+    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
+        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
+             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
+             "to start afresh")
     config = model_config(args, vocab)
-    memory = Memory(device, args.profile_memory)  # its peak counts from here
-    # the whole model from the seed on every rank, then sharded: the same weights at any world size
-    model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
-    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
-                      make_optimizer(model, args), device, args, checkpoint, memory)
-    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
-    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
-    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
-                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
-                             "node sees, or copy the newest one to every node")
-    entropy = unigram_entropy(text) if vocab else None
-    describe(trainer, name, entropy)
-    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
-    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
-                                    else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
-    first_val = trainer.validate()
-    print0(f"validation loss {first_val:.4f} before training")
-    history, epochs = trainer.train()
-    val = trainer.validate()
-    # from here on nothing is gathered whole: the sample runs the sharded model, --export streams one
-    # parameter at a time to rank 0's CPU, and the replica check reads each rank's shards where they are
-    if args.sample and vocab:  # every rank runs the forwards (each block all-gathered in turn); rank 0 prints
-        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
-        print0(f"sample ({args.sample} characters):\n{text_out}")
-        model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
-    if args.export:
-        export(model, {"config": config, "vocab": vocab}, args.export)
-    in_sync = replicas_in_sync(model, device)  # the shards tile the model; a fingerprint of them (harness)
-    trainer.memory.count(model, trainer.optimizer)  # the bytes, after everything: the peak is the whole run's
-    report(trainer, history, epochs, (first_val, val, entropy), in_sync, args)
-    return in_sync
+    differ = sorted(k for k in config if state["config"].get(k) != config[k])
+    if differ:
+        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
+             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
+             "pass the same model sizes as the run that wrote it")
+    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
+    # and a step takes no more than the epoch holds: each of a step's micro-batches runs a forward, empty or not
+    if state["windows_in_epoch"] >= windows or state["global_batch"] > windows:
+        fail(f"{os.path.join(args.checkpoint, POINTER)} is at window {state['windows_in_epoch']} of {windows}, "
+             f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
+             "delete the folder to start afresh", every_node=True)
+    with torch.device("meta"):  # the shapes only: no memory for weights
+        shapes = Transformer(**config)  # PORT: your model
+    with SaveFolder(args.checkpoint, state["folder"]) as save:
+        check_tensors(save, shapes)
+    return state
+
+
+LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
 
 
 def describe(trainer, name, entropy):
@@ -1476,9 +1514,9 @@ def describe(trainer, name, entropy):
            f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    peak = trainer.peak
-    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
-           else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
+    peak = trainer.clock.peak
+    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.clock.peak_source})" if peak
+           else f"note: no MFU: {trainer.clock.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
     print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
            f"{trainer.windows_in_epoch} of {len(trainer.train_set)} in the epoch's order"
@@ -1498,7 +1536,7 @@ def report(trainer, history, epochs, losses, in_sync, args):
         "block_size": args.block_size, "elapsed_s": clock.reading()[0], "first_step_s": clock.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
         "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
-        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
+        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": clock.peak_source,
         "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
         "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
         "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
@@ -1515,7 +1553,7 @@ def report(trainer, history, epochs, losses, in_sync, args):
     if trainer.steps:  # a resumed run with nothing left to train has no speed to report
         print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
-               f"{clock.first_step_s:.1f} s" + (" (compiling)" if clock.compiling else ""))
+               f"{clock.first_step_s:.1f} s")
     window = "the whole run" if trainer.device.type != "cpu" or args.profile_memory else "first two steps"
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors ({window})")
     if dist.get_rank() == 0 and args.metrics:
@@ -1525,26 +1563,6 @@ def report(trainer, history, epochs, losses, in_sync, args):
            f"{plural(trainer.steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
            f"{f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
-
-
-def main():
-    """One process of the job; torchrun (or the user) describes the job in the environment."""
-    args = check_args(parse_args())
-    corpus = read_corpus(args)
-    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
-    # a bad checkpoint is refused (one line) before any process group exists
-    checkpoint = read_checkpoint(args, corpus) if args.resume else None
-    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
-        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
-    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
-    device = setup(args)
-    try:
-        with explained_failures(args.timeout, lambda: describe_checkpoint_folder(args.checkpoint)):
-            in_sync = train(device, args, corpus, checkpoint)
-    finally:
-        cleanup()
-    if not in_sync:
-        sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
 # =============================================================================
