@@ -5,10 +5,11 @@ weights, the gradients and AdamW's two moments on every rank (16 bytes a paramet
 whatever the world size). FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps 1/W of each on
 each of W ranks: a block's parameters are all-gathered just before its forward and backward
 and freed after, and its gradients are reduce-scattered, so each rank keeps and updates its
-own shard. The text, the model, the loop and the contract are ddp_transformer.py's; `diff
-ddp_transformer.py fsdp_transformer.py` shows what sharding changes. Checkpoints are sharded
-(torch.distributed.checkpoint: each rank writes its shards) and reshard on load, so a run
-saved at one world size resumes at another.
+own shard. The text, the model, the loop and the contract are ddp_transformer.py's; the lessons
+of the two files (above their `beyond the lesson` banners) differ in DIFF_LINES lines, mostly what
+sharding changes: the wrap (shard()), no_sync, the clipped norm, the sharded checkpoint. Checkpoints
+are sharded (torch.distributed.checkpoint: each rank writes its shards) and reshard on load, so a
+run saved at one world size resumes at another.
 
 Launch:
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py       # 2 GPUs (or 2 CPU processes)
@@ -22,46 +23,29 @@ Launch:
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \
         --save_every_steps 10                              # a restarted job continues its last save
 
-The choices, where sharding is applied (shard()):
-- The mesh: an explicit 1-D device mesh over all ranks (init_device_mesh), of --device's type.
-  Left to itself fully_shard builds one for the accelerator torch was built for (cuda on a
-  CUDA wheel), so on a CPU, with gloo, the mesh must be named.
-- One fully_shard per Transformer block, then the root (embedding, last norm, output layer):
-  each block is one all-gather and one reduce-scatter, and the next block's all-gather can
-  overlap this block's compute.
-- reshard_after_forward: True for the blocks (free the gathered weights after the forward,
-  gather them again for the backward: the memory saving, at one more all-gather per block),
-  False for the root, whose output layer and norm the backward uses first.
-- Mixed precision (`--amp bf16`): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
-  the gathered weights and the compute are bf16, the gradients are reduced in fp32, and the
-  shards, the optimizer and the checkpoints stay fp32. It replaces autocast here; fp16 would
-  need a sharded GradScaler and is not offered.
-- Nothing whole after that: the sample runs the sharded model on every rank, --export streams one
-  tensor at a time to rank 0's CPU, and the replica check reads the shards where they are.
-- Initialisation: the whole model is built on every rank from --seed, as DDP's is, and then
-  sharded: the weights at step 0 do not depend on the world size (bit for bit, tested at 1-4).
-  (Built on the meta device, a model too large for one device would need a seeded init of
-  each shard that matched this; torchtitan#1777 is what goes wrong otherwise.) Its embedding
-  and output layer are separate weights; a model that ties them must shard them together.
-- Gradient accumulation: the first K-1 micro-batches skip the reduce-scatter
-  (set_requires_gradient_sync(False), FSDP2's no_sync); their gradients are kept unsharded
-  (the whole model's, on every rank) until the K-th, which reduces the sum once. --accumulate
-  sharded reduce-scatters every micro-batch instead: only the shards held, K times the traffic.
-  Clipping: clip_grad_norm_ returns the norm as a DTensor; full_tensor() makes it a plain number,
-  the same as DDP's.
+The choices, where sharding is applied (shard()): an explicit 1-D device mesh of --device's type (left
+to itself fully_shard builds a CUDA one on a CUDA wheel, so on a CPU the mesh must be named); one
+fully_shard per Transformer block (one all-gather and one reduce-scatter each, the next block's
+gather overlapping this one's compute), then the root; reshard_after_forward True for the blocks (the
+memory saving, at one more all-gather per block), False for the root, whose output layer the backward
+uses first. `--amp bf16`: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of
+autocast; the shards, the optimizer and the checkpoints stay fp32 (fp16 would need a sharded
+GradScaler and is not offered). The whole model is built from --seed on every rank, then sharded:
+the weights at step 0 do not depend on the world size (tested at 1-4; built on the meta device, each
+shard would need a matching seeded init: torchtitan#1777). Gradient accumulation: the first K-1
+micro-batches skip the reduce-scatter (set_requires_gradient_sync(False), FSDP2's no_sync) and hold
+whole gradients; --accumulate sharded reduce-scatters every micro-batch instead. clip_grad_norm_
+returns a DTensor: full_tensor() makes it the number DDP's would be. Nothing is gathered whole: the
+sample runs the sharded model, --export streams one tensor at a time to rank 0's CPU.
 
-Checkpoints (--checkpoint is a folder): each save is a new folder `step-N` holding every rank's
-shards, and counts only once `latest.json` names it: rank 0 writes that pointer atomically after
-every rank has finished, so a run killed mid-save resumes from the previous save, never from a
-mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
-as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
-a full, code-running torch.load; this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder
-(each file opened once by name in its folder's descriptor, checked on its own descriptor and read
-from it, by DCP too: no link, FIFO, hard link or mount): a checkpoint is data, not code. A second
-run on the same folder is refused (rank 0 locks it). As in ddp_transformer.py, a folder another run
-left is continued only with --resume (the job's own, after a torchrun restart, without): the job is
-stamped in the pointer.
+Checkpoints (--checkpoint is a folder): each save is a folder `step-N` of every rank's shards, which
+counts once `latest.json` (written atomically by rank 0 after every rank finished; it holds what is not
+a tensor, as JSON, and the job's stamp) names it, so a run killed mid-save resumes from the previous
+save. They are read as data, not code: the harness's `safe DCP` recipe reads `.metadata` with an
+unpickler that admits only DCP's metadata classes, refuses non-tensor entries (DCP would torch.load
+them in full) and opens each file once, by name, in its folder's descriptor (no link, FIFO, hard link
+or mount). A second run on the same folder is refused (rank 0 locks it); another run's folder is
+continued only with --resume (the job's own, after a torchrun restart, without).
 """
 
 # ---------------------------------------------------------------- imports
@@ -122,6 +106,7 @@ def parse_args(argv=None):
     add_data_args(p)
     add_model_args(p)
     add_run_args(p)
+    add_extra_args(p)  # beyond the lesson: --peak_tflops, --profile_memory, --export
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
@@ -207,24 +192,15 @@ def add_run_args(p):
     p.add_argument("--checkpoint", default=f"{os.path.splitext(os.path.basename(__file__))[0]}_ckpt", metavar="DIR",
                    help="folder of sharded checkpoints (every rank writes its shards), saved at the end of every "
                         "epoch and of the run")
-    p.add_argument("--export", default=None, metavar="PATH",
-                   help="at the end, write the whole model to one file (weights_only) that ddp_transformer.py's "
-                        "Transformer loads")
     p.add_argument("--save_every_steps", type=int, default=0, metavar="N",
                    help="also checkpoint every N optimizer steps, so a lost node costs at most N steps (0: off)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint, at any world size: its global batch and its place in the "
                         "epoch are kept")
-    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
-                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
-                        "common GPUs, looked up by name; none on CPU)")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write a JSON summary of the run here (rank 0)")
-    p.add_argument("--profile_memory", action="store_true",
-                   help="on CPU, record every tensor allocation of the whole run, its end included, for the peak "
-                        "(default: the first two steps; the record costs process memory as the run goes)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
 
@@ -269,12 +245,8 @@ def check_args(args):
     if FSDP_MISSING:
         fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
              "install torch 2.7 or later")
-    check_folders(args.checkpoint, args.metrics, args.export)
-    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
-        fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
-             "overwrite a save or the pointer", "export to a file outside --checkpoint")
-    if args.export and os.path.isdir(args.export):
-        fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
+    check_folders(args.checkpoint, args.metrics)
+    check_export_args(args)  # beyond the lesson
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
@@ -301,27 +273,6 @@ def setup(args):
                             device_id=device if args.backend == "nccl" else None)
     args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
     return device
-
-
-def resolve_amp(amp, device):
-    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else off (no fp16 here)."""
-    if device.type == "cpu":
-        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
-        # bf16 autocast ran no faster than fp32 there, because the casts and the
-        # element-wise work it adds cost what the faster matmuls save, and it is far
-        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
-        return "off" if amp == "auto" else amp
-    if amp == "auto":
-        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
-        # on CUDA): before Ampere bf16 is emulated, and fp32 is what is left (no fp16 here: see the docstring)
-        # agreed by every rank (a job over two kinds of GPU): a rank that gathered bf16 weights and one that
-        # gathered fp32 ones would run one all-gather with two sizes
-        native = torch.tensor([int(bf16_supported(device))], device=device)
-        dist.all_reduce(native, op=dist.ReduceOp.MIN)
-        return "bf16" if native.item() else "off"
-    if amp == "bf16" and not bf16_supported(device, emulated=True):
-        fail(f"this {device.type} device does not support bf16", "use --amp off", every_node=True)
-    return amp
 
 
 def cleanup():
@@ -366,13 +317,6 @@ def read_corpus(args):
     return text, name, "".join(sorted(set(text)))
 
 
-def unigram_entropy(text):
-    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
-    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
-    p = counts / counts.sum()
-    return float(-(p * p.log()).sum())
-
-
 class Windows(Dataset):
     """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
     window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
@@ -412,23 +356,6 @@ def window_offset(seed, epoch, block):
         return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
     cycle, place = divmod(epoch, block)
     return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
-
-
-class NLPDataset(Dataset):
-    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
-
-    def __init__(self, size, length, device="cpu"):
-        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
-
-    def shift(self, offset):
-        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
-        rows = self.data[torch.as_tensor(index, device=self.data.device)]
-        return rows[..., :-1], rows[..., 1:]
 
 
 def build_data(args, text, vocab, device):
@@ -623,7 +550,7 @@ def step_seed(seed, rank, step):
     return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
 
 
-def train_step(model, optimizer, micro_batches, clip, step_tokens=None, reduce_every=False, mark=None):
+def train_step(model, optimizer, micro_batches, clip, step_tokens=None, lr=None, reduce_every=False, mark=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
 
     The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
@@ -636,6 +563,8 @@ def train_step(model, optimizer, micro_batches, clip, step_tokens=None, reduce_e
     token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
     Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
     """
+    for group in optimizer.param_groups if lr is not None else ():
+        group["lr"] = lr
     tokens = sum(y.numel() for _, y in micro_batches)
     world = dist.get_world_size() if dist.is_initialized() else 1
     scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
@@ -678,42 +607,18 @@ def evaluate(model, dataset, indices, batches):
     return totals
 
 
-@torch.no_grad()
-def generate(model, vocab, prompt, count, seed):
-    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
-    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for _ in range(count):
-        logits = model(ids[:, -model.max_len:])[0, -1].float()  # PORT: your model's context length
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
-        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
-        ids = torch.cat([ids, nxt], dim=1)
-    model.train(was_training)
-    return "".join(vocab[i] for i in ids[0].tolist())
-
-
-def export(model, payload, path):
-    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
-    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
-    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        save_checkpoint({"model": weights, **payload}, path)
-        print0(f"exported the whole model to {path}", every_rank=True)
-    del weights
-
-
 # ---------------------------------------------------------------- checkpoint
+def read_checkpoint(args, corpus):
+    """The --resume checkpoint, read as data (never as code), for this model and this text; anything else is
+    one clear error before any process group exists (check_checkpoint: every value before it is used)."""
+    state = read_pointer(args.checkpoint)  # latest.json: the save that counts, and what is not a tensor
+    check_checkpoint(args, state, corpus)  # and the save's .metadata: this model's tensors, in its folder
+    return state
 
 
 def save_tensors(tensors, root, folder):
     """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
-    after every rank has written, each file created in the folder's descriptor (SaveFiles). A write that
+    after every rank has written, each file created in the folder's descriptor (SafeWriter). A write that
     fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
     (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
     try:
@@ -726,7 +631,7 @@ def save_tensors(tensors, root, folder):
              "the previous save", "free space on the disk or make the folder writable, then resume")
 
 
-# ---------------------------------------------------------------- trainer
+# ---------------------------------------------------------------- the run
 def global_mean(loss_sum, count, device):
     """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
     totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
@@ -775,42 +680,53 @@ def reduction_averages(mesh, device):
     return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
 
 
-class Trainer:
-    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
+class Run:
+    """One run: the data, the model sharded, the optimizer, and where the run is (train() steps it)."""
 
-    def __init__(self, model, data, optimizer, device, args, checkpoint=None, memory=None):
-        self.model = model  # sharded: each rank holds its shard of every parameter
-        self.train_set, self.val_set, self.vocab, self.config = data
-        self.optimizer, self.device, self.args = optimizer, device, args
-        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
-        self.epochs_run, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
+    def __init__(self, device, args, corpus, checkpoint=None):
+        text, self.name, self.vocab = corpus
+        self.entropy = unigram_entropy(text) if self.vocab else None  # of a model that ignores context: a baseline
+        check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
+                                 "another Python version or file on another node? pass --data PATH on a "
+                                 "file system every node sees")
+        self.device, self.args, self.config = device, args, model_config(args, self.vocab)
+        torch.manual_seed(args.seed)
+        self.meter = Meter(device, args)  # tokens/s, MFU and memory: the memory's peak counts from here
+        # the whole model from the seed on every rank, then sharded: the same weights at any world size
+        self.model = shard(Transformer(**self.config).to(device), device, args)  # PORT: your model
+        self.optimizer = make_optimizer(self.model, args)
+        self.train_set, self.val_set = build_data(args, text, self.vocab, device)
+        # where the run is: the epochs done, the windows of this epoch's shuffled order trained, optimizer steps
+        self.epoch, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
         self.committed = checkpoint["folder"] if checkpoint else None  # the save the pointer names
         if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
+            self.restore(checkpoint)
         self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
         # a step trains G windows of the epoch's order whatever the world size, the last step the rest
         self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
         self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
         self.total, self.epochs = run_length(self.steps_per_epoch, args)
         self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
-        if checkpoint is not None:
-            note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
-        # beyond the lesson: tokens/s and MFU (clock), bytes (memory: built before the model, for its peak)
-        self.clock, self.memory = Throughput(model, args, device), memory or Memory(device, args.profile_memory)
-        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
-        self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
-        self.log_sum, self.log_count = torch.zeros((), device=device), 0
+        # this invocation's: the epoch it ended in, the loss and windows of each epoch, the logged losses by step
+        self.ended, self.losses, self.windows, self.logged, self.grad_norms = self.epoch, [], [], {}, []
+        self.epoch_loss, self.log_loss = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
+        # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
+        # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
+        check_same_on_every_rank(self.step, "resume steps (0: not resumed)",
+                                 "every rank must read the same checkpoint: put --checkpoint on a file system every "
+                                 "node sees, or copy the newest one to every node")
 
-    def _tensors(self):
+    def tensors(self):
         """What a save holds: the model's and AdamW's tensors, as DTensors (each rank its shards, which
         DCP reshards on load). The param groups' numbers are the run's arguments, not saved."""
         model, optimizer = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if empty
         return {"model": model, "optimizer": optimizer["state"]}, optimizer["param_groups"]
 
-    def _load_checkpoint(self, state):
-        """Each rank reads the parts of the saved tensors that its shards hold, at any world size."""
+    def restore(self, state):
+        """Continue a checkpoint that read_checkpoint checked: each rank reads the parts of the saved tensors
+        that its shards hold, at any world size; then the place in the run."""
         start = time.perf_counter()
-        tensors, groups = self._tensors()
+        tensors, groups = self.tensors()
         try:
             with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
                 dcp.load(tensors, storage_reader=SafeReader(save))
@@ -824,28 +740,25 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
         self.load_s = time.perf_counter() - start
-        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
-        self.step = state["step"]
+        self.epoch, self.windows_in_epoch, self.step = state["epoch"], state["windows_in_epoch"], state["step"]
 
-    def _save_checkpoint(self, epoch):
-        """The position in global units, the windows of the epoch's order trained and the global batch
-        that trained them, so that any world size that keeps the global batch can continue."""
-        finished = self.windows_in_epoch == len(self.train_set)
-        start = time.perf_counter()
-        root = self.args.checkpoint
-        folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
-        dist.barrier()
-        save_tensors(self._tensors()[0], root, folder)
-        if dist.get_rank() == 0:
-            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
-                                             "epoch": epoch + 1 if finished else epoch, "step": self.step,
-                                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                                             "schedule": self.schedule, "world_size": dist.get_world_size()})
-        self.committed = folder
-        dist.barrier()  # nobody reads the checkpoint before it is complete
-        self.save_s.append(time.perf_counter() - start)
-        self.clock.left_out(self.save_s[-1])
+    def save(self, epoch):
+        """Every rank writes its shards; rank 0 then points latest.json at them. The place in global units: the
+        windows of the epoch's order trained and the global batch that trained them, so that any world size
+        that keeps the global batch can continue."""
+        finished, root = self.windows_in_epoch == len(self.train_set), self.args.checkpoint
+        with self.meter.left_out("checkpoint"):
+            folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
+            dist.barrier()  # rank 0 made the folder
+            save_tensors(self.tensors()[0], root, folder)
+            if dist.get_rank() == 0:
+                commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
+                                                 "epoch": epoch + 1 if finished else epoch, "step": self.step,
+                                                 "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                                                 "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                                                 "schedule": self.schedule, "world_size": dist.get_world_size()})
+            self.committed = folder
+            dist.barrier()  # nobody reads the checkpoint before it is complete
 
     def validate(self):
         """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
@@ -856,127 +769,82 @@ class Trainer:
         dist.all_reduce(totals)
         return (totals[0] / totals[1]).item()
 
-    def _log(self):
-        args, step = self.args, self.step
-        if args.log_every and step % args.log_every == 0:
-            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
-            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
-            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
-                   + self.clock.mfu_since_mark())
-        if args.eval_every and step % args.eval_every == 0 and step < self.total:
-            start = time.perf_counter()
-            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
-            self.clock.left_out(time.perf_counter() - start)
-
-    def stepped(self, epoch, s, loss_sum, tokens, norm, step_tokens):
-        """After step s of the epoch: where the run is, the sums, the log lines and --save_every_steps."""
-        n = len(self.train_set)
-        self.step, self.steps, self.windows_in_epoch = self.step + 1, self.steps + 1, min(n, (s + 1) * self.global_batch)
-        self.epoch_sum, self.epoch_count = self.epoch_sum + loss_sum, self.epoch_count + tokens
-        self.log_sum, self.log_count = self.log_sum + loss_sum, self.log_count + tokens
-        self.grad_norms.append(norm)
-        self.clock.stepped(step_tokens)
-        self.memory.after_step(self.steps)
-        self._log()
-        if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
+    def stepped(self, epoch, s, loss_sum, tokens, step_tokens):
+        """After step s of the epoch: the place and the losses, the log line, evaluation, a checkpoint every N steps."""
+        args, n = self.args, len(self.train_set)
+        self.step, self.windows_in_epoch = self.step + 1, min(n, (s + 1) * self.global_batch)
+        self.epoch_loss = (self.epoch_loss[0] + loss_sum, self.epoch_loss[1] + tokens)
+        self.log_loss = (self.log_loss[0] + loss_sum, self.log_loss[1] + tokens)
+        self.meter.stepped(step_tokens, self.model, self.optimizer)
+        where = f"{self.step}/{self.total}"
+        if args.log_every and self.step % args.log_every == 0:
+            loss, _ = global_mean(*self.log_loss, self.device)  # .item(): the device has caught up
+            self.log_loss, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
+            print0(f"step {where} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+                   + self.meter.mfu_since_mark())
+        if args.eval_every and self.step % args.eval_every == 0 and self.step < self.total:
+            with self.meter.left_out("evaluation"):
+                print0(f"step {where} | validation loss {self.validate():.4f}")
+        if args.save_every_steps and self.step % args.save_every_steps == 0 \
                 and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
-            self._save_checkpoint(epoch)
+            self.save(epoch)
 
-    def start_epoch(self, epoch):
-        """A new shuffle and a new grid of windows, the same on every rank; returns the clock readings."""
-        self.sampler.set_epoch(epoch)
-        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))
-        self.epoch_sum, self.epoch_count = torch.zeros((), device=self.device), 0
-        return time.perf_counter(), self.clock.reading()
-
-    def end_epoch(self, epoch, started):
-        """The epoch's mean loss over all ranks, a checkpoint and the epoch's line; returns the loss."""
-        loss, tokens = global_mean(self.epoch_sum, self.epoch_count, self.device)
-        seconds, windows = time.perf_counter() - started[0], tokens // self.args.block_size
+    def end_epoch(self, epoch, start, since):
+        """The epoch's mean loss, its line and its checkpoint."""
+        loss, tokens = global_mean(*self.epoch_loss, self.device)
+        seconds, windows = time.perf_counter() - start, tokens // self.args.block_size
+        self.losses.append(loss)
         self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
-        done = math.ceil(self.windows_in_epoch / self.global_batch)
-        self._save_checkpoint(epoch)
-        print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-               f"{windows} windows | {self.clock.rate_since(started[1])} | {seconds:.2f} s | "
+        self.save(epoch)
+        print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {math.ceil(self.windows_in_epoch / self.global_batch)}/"
+               f"{self.steps_per_epoch} steps | {windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
                f"checkpoint {self.args.checkpoint}")
-        self.windows_in_epoch = 0  # the next epoch starts at its beginning
-        return loss
+        # the next epoch starts at its beginning
+        self.ended, self.windows_in_epoch, self.epoch_loss = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
 
 
-# ---------------------------------------------------------------- main
 def train(device, args, corpus, checkpoint):
-    """Validate, train to --max_steps (or --epochs), validate, sample; returns whether the replicas agree."""
-    trainer = build_trainer(device, args, corpus, checkpoint)
-    model, optimizer, g = trainer.model, trainer.optimizer, trainer.global_batch
-    first_val = trainer.validate()
+    """Train to --max_steps (or --epochs), validating before and after, then sample; returns whether the
+    replicas agree."""
+    run = Run(device, args, corpus, checkpoint)  # the data, the model sharded, the optimizer: at the checkpoint's place
+    describe(run, checkpoint)  # the data:, model: and start lines
+    first_val = run.validate()
     print0(f"validation loss {first_val:.4f} before training")
-    history, ended = [], trainer.epochs_run
-    trainer.clock.start()  # tokens/s and MFU count from here
-    for epoch in range(trainer.epochs_run, trainer.epochs):
-        if trainer.step >= trainer.total:
+    run.meter.start(run.model)
+    for epoch in range(run.epoch, run.epochs):
+        if run.step >= run.total:  # no epoch of no step
             break
-        started = trainer.start_epoch(epoch)  # sampler.set_epoch: a new shuffle, the same on every rank
-        for s, windows, step_windows in epoch_steps(trainer.sampler, g, trainer.windows_in_epoch // g, device):
-            if trainer.step >= trainer.total:
+        run.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        run.train_set.shift(window_offset(args.seed, epoch, args.block_size))  # and a new grid of windows
+        first, start, since = run.windows_in_epoch // run.global_batch, time.perf_counter(), run.meter.reading()
+        for s, windows, step_windows in epoch_steps(run.sampler, run.global_batch, first, device):
+            if run.step >= run.total:
                 break
-            for group in optimizer.param_groups:
-                group["lr"] = lr_at(trainer.step, trainer.schedule, args)
-            torch.manual_seed(step_seed(args.seed, dist.get_rank(), trainer.step))  # dropout: see step_seed
-            micro_batches = [trainer.train_set[w] for w in windows.tensor_split(args.grad_accum)]
+            torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
+            lr = lr_at(run.step, run.schedule, args)
+            micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
             step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
-            loss_sum, tokens, norm = train_step(model, optimizer, micro_batches, args.clip, step_tokens,
-                                                args.accumulate == "sharded", trainer.memory.mark_first(trainer.steps))
-            trainer.stepped(epoch, s, loss_sum, tokens, norm, step_tokens)  # logs, --save_every_steps
-        history.append(trainer.end_epoch(epoch, started))  # the mean loss, a checkpoint, the epoch's line
-        ended = epoch + 1
-    trainer.clock.stop()
-    return finish(trainer, history, ended, first_val)
-
-
-def build_trainer(device, args, corpus, checkpoint):
-    """The model (built whole from --seed on every rank, then sharded), the data, the optimizer, resumed."""
-    text, name, vocab = corpus
-    torch.manual_seed(args.seed)
-    check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
-                             "another Python version or file on another node? pass --data PATH on a "
-                             "file system every node sees")
-    config = model_config(args, vocab)
-    memory = Memory(device, args.profile_memory)  # its peak counts from here
-    # the whole model from the seed on every rank, then sharded: the same weights at any world size
-    model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
-    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
-                      make_optimizer(model, args), device, args, checkpoint, memory)
-    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
-    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
-    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
-                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
-                             "node sees, or copy the newest one to every node")
-    trainer.entropy = unigram_entropy(text) if vocab else None
-    describe(trainer, name, trainer.entropy)
-    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
-    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
-                                           else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
-    return trainer
-
-
-def finish(trainer, history, epochs, first_val):
-    """Validate, sample, export, compare the replicas, report; returns whether they agree."""
-    args, model, vocab = trainer.args, trainer.model, trainer.vocab
-    val = trainer.validate()
-    # from here on nothing is gathered whole: the sample runs the sharded model, --export streams one
-    # parameter at a time to rank 0's CPU, and the replica check reads each rank's shards where they are
-    if args.sample and vocab:  # every rank runs the forwards (each block all-gathered in turn); rank 0 prints
-        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
-        print0(f"sample ({args.sample} characters):\n{text_out}")
-        model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
+            loss_sum, tokens, norm = train_step(run.model, run.optimizer, micro_batches, args.clip, step_tokens, lr,
+                                                args.accumulate == "sharded", run.meter.gradient_marks())
+            run.grad_norms.append(norm)
+            run.stepped(epoch, s, loss_sum, tokens, step_tokens)  # the log line, evaluation, checkpoints
+        run.end_epoch(epoch, start, since)  # its loss, its line and its checkpoint
+    run.meter.stop()
+    val = run.validate()
+    # nothing is gathered whole: the sample runs the sharded model on every rank, the replica check reads the shards
+    if args.sample and run.vocab:
+        text = generate(run.model, run.vocab, "\n" if "\n" in run.vocab else run.vocab[0], args.sample, args.seed)
+        print0(f"sample ({args.sample} characters):\n{text}")
+        run.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
     if args.export:
-        export(model, {"config": trainer.config, "vocab": vocab}, args.export)
-    in_sync = replicas_in_sync(model, trainer.device)  # the shards tile the model; a fingerprint of them (harness)
-    trainer.memory.count(model, trainer.optimizer)  # the bytes, after everything: the peak is the whole run's
-    report(trainer, history, epochs, (first_val, val, trainer.entropy), in_sync, args)
+        export(run.model, {"config": run.config, "vocab": run.vocab}, args.export)  # streamed to rank 0's CPU
+    in_sync = replicas_in_sync(run.model, device)
+    run.meter.memory.count(run.model, run.optimizer)  # the bytes, after everything: the peak is the whole run's
+    report(run, (first_val, val), in_sync)
     return in_sync
 
 
+# ---------------------------------------------------------------- main
 def main():
     """One process of the job; torchrun (or the user) describes the job in the environment."""
     args = check_args(parse_args())
@@ -985,7 +853,7 @@ def main():
     # a bad checkpoint is refused (one line) before any process group exists
     checkpoint = read_checkpoint(args, corpus) if args.resume else None
     if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
-        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
+        resume_at_another_world_size(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
     prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
     device = setup(args)
     try:
@@ -998,6 +866,29 @@ def main():
 
 
 # ---- beyond the lesson: MFU and memory accounting, resuming at another world size, the checkpoint folder's pointer and lock ----
+def add_extra_args(p):
+    """The flags of what lies beyond the lesson: the MFU's peak, the CPU's memory record, the export."""
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
+                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
+                        "common GPUs, looked up by name; none on CPU)")
+    p.add_argument("--profile_memory", action="store_true",
+                   help="on CPU, record every tensor allocation of the whole run, its end included, for the peak "
+                        "(default: the first two steps; the record costs process memory as the run goes)")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="at the end, write the whole model to one file (weights_only) that ddp_transformer.py's "
+                        "Transformer loads")
+
+
+def check_export_args(args):
+    """--export: a file, outside the checkpoint folder (where it would overwrite a save or the pointer)."""
+    check_folders(args.export)
+    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
+        fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
+             "overwrite a save or the pointer", "export to a file outside --checkpoint")
+    if args.export and os.path.isdir(args.export):
+        fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
+
+
 def flops_per_token(model, block):  # PORT: your model's FLOPs (only the MFU and the model: line use it)
     """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
 
@@ -1059,40 +950,57 @@ def peak_of(name, precision):
     return None, f"no peak is known for {name}"
 
 
-class Throughput:
+class Meter:
     """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
     of the first optimizer step (it allocates) to stop(), less the seconds left_out() (evaluation,
-    checkpoints). Every rate printed, and the metrics', counts this way."""
+    checkpoints): every rate printed, and the metrics', counts this way. And this rank's memory (class
+    Memory), from construction (before the model is built) on."""
 
-    def __init__(self, model, args, device):
+    def __init__(self, device, args):
         peak, self.peak_source = device_peak(args, device)
-        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use
-        self.flops_per_token, self.device = flops_per_token(model, args.block_size), device
-        self.clock, self.stopped, self.first_step_s, self.tokens, self.mark = None, None, 0.0, 0, (0.0, 0)
-        self.excludes = "first step left out"
-        self.start()
+        self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
+        self.device, self.block = device, args.block_size
+        self.memory, self.steps, self.left_out_s = Memory(device, args.profile_memory), 0, {"checkpoint": [],
+                                                                                             "evaluation": []}
+        self.started, self.timed_from, self.stopped, self.first_step_s = None, None, None, 0.0
+        self.tokens, self.mark, self.excludes = 0, (0.0, 0), "first step left out"
 
-    def start(self):  # the first step's seconds count from here
-        self.started = time.perf_counter()
+    def start(self, model):
+        """Before the first step: what a token costs, and the time its first step takes from here."""
+        self.flops_per_token, self.started = flops_per_token(model, self.block), time.perf_counter()
 
-    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
-        if self.clock is not None:
+    def gradient_marks(self):
+        """What train_step calls to measure the gradients (Memory.mark) in this invocation's first step; None after."""
+        return self.memory.mark if self.steps == 0 else None
+
+    def stepped(self, tokens, model, optimizer):
+        """After each optimizer step: the first one starts the clock (the device caught up)."""
+        self.steps += 1
+        self.memory.after_step(self.steps)
+        if self.timed_from is not None:
             self.tokens += tokens
             return
         if self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
-        self.clock = time.perf_counter()
-        self.first_step_s = self.clock - self.started
+        self.timed_from = time.perf_counter()
+        self.first_step_s = self.timed_from - self.started
 
-    def left_out(self, seconds):  # once started, the clock starts that much later
-        if self.clock is not None:
-            self.clock += seconds
+    @contextlib.contextmanager
+    def left_out(self, what):
+        """Time `what` (a checkpoint, an evaluation) and leave it out: once started, the clock starts that much later."""
+        start = time.perf_counter()
+        yield
+        self.left_out_s[what].append(time.perf_counter() - start)
+        if self.timed_from is not None:
+            self.timed_from += self.left_out_s[what][-1]
 
     def stop(self):
         self.stopped = time.perf_counter()
 
     def reading(self):  # (seconds, tokens) timed so far
-        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
+        if self.timed_from is None:
+            return 0.0, 0
+        return (self.stopped or time.perf_counter()) - self.timed_from, self.tokens
 
     def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
         seconds, tokens = now[0] - since[0], now[1] - since[1]
@@ -1151,10 +1059,6 @@ class Memory:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
         self.marks[label] = total
-
-    def mark_first(self, steps):
-        """What train_step calls to mark the first step's tensors (`mark`), None after it."""
-        return self.mark if steps == 0 else None
 
     def after_step(self, steps):
         """After this invocation's step `steps`: the CPU peak's window ends after the second, unless whole_run."""
@@ -1263,7 +1167,7 @@ def choose_split(global_batch, world, passed, usual):
     return None
 
 
-def keep_global_batch(args, state, world):
+def resume_at_another_world_size(args, state, world):
     """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
     --grad_accum chosen from what the user did not pass (one line says so), or one error line.
 
@@ -1464,14 +1368,11 @@ def continue_checkpoint_folder(root, resume):
          "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
 
 
-def read_checkpoint(args, corpus):
-    """The --resume checkpoint, for this model and this text; anything else is one clear error.
-
-    The pointer (JSON, checked field by field by read_pointer) names the save that counts and holds
-    what is not a tensor; the save's `.metadata` is read as data (read_metadata) and must list this
-    model's tensors, each a tensor, in files of that save's folder.
-    """
-    state, (text, _, vocab) = read_pointer(args.checkpoint), corpus
+def check_checkpoint(args, state, corpus):
+    """The pointer `state` (JSON, checked field by field by read_pointer) must be for
+    this model and this text, and the save it names must list this model's tensors, each a tensor, in files
+    of that save's folder (its `.metadata` read as data: read_metadata); anything else is one clear error."""
+    text, _, vocab = corpus
     if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
         fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
              f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
@@ -1495,74 +1396,153 @@ def read_checkpoint(args, corpus):
         shapes = Transformer(**config)  # PORT: your model
     with SaveFolder(args.checkpoint, state["folder"]) as save:
         check_tensors(save, shapes)
-    return state
 
 
 LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
 
 
-def describe(trainer, name, entropy):
-    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long."""
-    args, model, world = trainer.args, trainer.model, dist.get_world_size()
-    print0(f"data: {name} | {trainer.config['vocab_size']} symbols | {len(trainer.train_set)} training and "
-           f"{len(trainer.val_set)} validation windows"
-           + (f" | unigram entropy {entropy:.3f} nats" if entropy is not None else ""))
+def describe(run, checkpoint):
+    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long; what is left."""
+    args, model, world = run.args, run.model, dist.get_world_size()
+    if checkpoint is not None:
+        note_schedule(checkpoint.get("schedule"), run.schedule, run.step, args)
+    print0(f"data: {run.name} | {run.config['vocab_size']} symbols | {len(run.train_set)} training and "
+           f"{len(run.val_set)} validation windows"
+           + (f" | unigram entropy {run.entropy:.3f} nats" if run.entropy is not None else ""))
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
            f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
-           f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
-           f" | sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "  # PORT: your blocks
-           f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
+           f"{plural(world, 'process')} on {run.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
+           f" | sharded: {len(model.layers)} blocks + root | {run.total} steps = "  # PORT: your blocks
+           f"{run.total / run.steps_per_epoch:.2f} epochs of {run.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    peak = trainer.clock.peak
-    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.clock.peak_source})" if peak
-           else f"note: no MFU: {trainer.clock.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
+    peak = run.meter.peak
+    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({run.meter.peak_source})" if peak
+           else f"note: no MFU: {run.meter.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
-    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
-           f"{trainer.windows_in_epoch} of {len(trainer.train_set)} in the epoch's order"
+    print0(f"resuming from {args.checkpoint} at epoch {run.epoch}, step {run.step}, window "
+           f"{run.windows_in_epoch} of {len(run.train_set)} in the epoch's order"
            if args.resume else "starting from scratch")
+    by_steps = run.total < (args.epochs or math.inf) * run.steps_per_epoch  # which flag ends the run
+    say_if_nothing_left(args.checkpoint, *(("step", run.step, "--max_steps", run.total) if by_steps
+                                           else ("epoch", run.epoch, "--epochs", args.epochs)))
 
 
-def report(trainer, history, epochs, losses, in_sync, args):
+def report(run, vals, in_sync):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
-    first_val, val, entropy = losses
-    clock, fpt = trainer.clock, trainer.clock.flops_per_token
-    tokens_per_s, peak = clock.rate((0.0, 0), clock.reading())[0], clock.peak  # (the clock is stopped)
+    (first_val, val), args, meter, history, steps = vals, run.args, run.meter, run.losses, run.meter.steps
+    tokens_per_s, fpt, saves = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token, meter.left_out_s["checkpoint"]
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": trainer.load_s,
-        "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
-        "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "block_size": args.block_size, "elapsed_s": clock.reading()[0], "first_step_s": clock.first_step_s,
+        "device": run.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": run.load_s,
+        "epochs": run.ended, "steps": steps, "steps_per_epoch": run.steps_per_epoch,
+        "max_steps": run.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        "block_size": args.block_size, "elapsed_s": meter.reading()[0], "first_step_s": meter.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
-        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": clock.peak_source,
-        "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
-        "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
-        "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
+        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": meter.peak,
+        "mfu": tokens_per_s * fpt / meter.peak if meter.peak else None, "peak_source": meter.peak_source,
+        "global_batch": run.global_batch, "windows": run.windows, "lr_decay_steps": run.schedule,
+        "checkpoints": len(saves),  # and the median seconds of one (rank 0 writes, all wait):
+        "checkpoint_s": sorted(saves)[len(saves) // 2] if saves else None,
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
-        "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
-        "unigram_entropy": entropy, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
-        "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
-        "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
+        "losses": history, "step_losses": run.logged, "first_val_loss": first_val, "val_loss": val,
+        "unigram_entropy": run.entropy, "grad_norms": [None if n is None else n.item() for n in run.grad_norms],
+        "params": sum(p.numel() for p in run.model.parameters()), "replicas_in_sync": in_sync,
+        "resumed_from_epoch": run.epoch if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "throughput_excludes": clock.excludes + ", evaluation and checkpoints left out",
-        **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
+        "throughput_excludes": meter.excludes + ", evaluation and checkpoints left out",
+        **meter.memory.counted, "peak_memory_bytes": meter.memory.peak(),
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}")
-    if trainer.steps:  # a resumed run with nothing left to train has no speed to report
-        print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
+    if steps:  # a resumed run with nothing left to train has no speed to report
+        print0(f"throughput: {meter.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
-               f"{clock.first_step_s:.1f} s")
-    window = "the whole run" if trainer.device.type != "cpu" or args.profile_memory else "first two steps"
+               f"{meter.first_step_s:.1f} s")
+    window = "the whole run" if run.device.type != "cpu" or args.profile_memory else "first two steps"
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors ({window})")
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
-           f"({summary['backend']}) | torch {torch.__version__} | {plural(epochs, 'epoch')}, "
-           f"{plural(trainer.steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
-           f"{f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(run.ended, 'epoch')}, "
+           f"{plural(steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
+           f"{f'{tokens_per_s:.0f} tokens/s' if steps else 'nothing trained'} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def resolve_amp(amp, device):
+    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else off (no fp16 here)."""
+    if device.type == "cpu":
+        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
+        # bf16 autocast ran no faster than fp32 there, because the casts and the
+        # element-wise work it adds cost what the faster matmuls save, and it is far
+        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
+        return "off" if amp == "auto" else amp
+    if amp == "auto":
+        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
+        # on CUDA): before Ampere bf16 is emulated, and fp32 is what is left (no fp16 here: see the docstring)
+        # agreed by every rank (a job over two kinds of GPU): a rank that gathered bf16 weights and one that
+        # gathered fp32 ones would run one all-gather with two sizes
+        native = torch.tensor([int(bf16_supported(device))], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        return "bf16" if native.item() else "off"
+    if amp == "bf16" and not bf16_supported(device, emulated=True):
+        fail(f"this {device.type} device does not support bf16", "use --amp off", every_node=True)
+    return amp
+
+
+@torch.no_grad()
+def generate(model, vocab, prompt, count, seed):
+    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
+    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(count):
+        logits = model(ids[:, -model.max_len:])[0, -1].float()  # PORT: your model's context length
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
+        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
+        ids = torch.cat([ids, nxt], dim=1)
+    model.train(was_training)
+    return "".join(vocab[i] for i in ids[0].tolist())
+
+
+def unigram_entropy(text):
+    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
+    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
+    p = counts / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+class NLPDataset(Dataset):
+    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
+
+    def __init__(self, size, length, device="cpu"):
+        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def shift(self, offset):
+        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        rows = self.data[torch.as_tensor(index, device=self.data.device)]
+        return rows[..., :-1], rows[..., 1:]
+
+
+def export(model, payload, path):
+    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
+    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
+    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        save_checkpoint({"model": weights, **payload}, path)
+        print0(f"exported the whole model to {path}", every_rank=True)
+    del weights
+
 
 
 # =============================================================================
