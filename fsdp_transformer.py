@@ -230,23 +230,9 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
-    refuse_ignored_model_flags(args)
-    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
-                   "d_model", "num_heads", "d_ff", "num_layers", "timeout", "peak_tflops")
-    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
-        if getattr(args, name) < 0:
-            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
-    if args.d_model % args.num_heads:
-        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
-             "pass e.g. --d_model 128 --num_heads 4")
-    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0:
-        fail("--warmup and --dropout must be in [0, 1), --clip and --weight_decay 0 or more",
-             "e.g. --warmup 0.1 --dropout 0.1 --clip 1 --weight_decay 0.1")
-    if FSDP_MISSING:
-        fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
-             "install torch 2.7 or later")
-    check_folders(args.checkpoint, args.metrics)
-    check_export_args(args)  # beyond the lesson
+    check_values(args)  # in range: one error line that names the fix
+    check_folders(args.checkpoint, args.metrics, args.export)
+    check_export_args(args)  # a file outside the checkpoint folder
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
@@ -775,7 +761,7 @@ class Run:
         self.step, self.windows_in_epoch = self.step + 1, min(n, (s + 1) * self.global_batch)
         self.epoch_loss = (self.epoch_loss[0] + loss_sum, self.epoch_loss[1] + tokens)
         self.log_loss = (self.log_loss[0] + loss_sum, self.log_loss[1] + tokens)
-        self.meter.stepped(step_tokens, self.model, self.optimizer)
+        self.meter.stepped(step_tokens)
         where = f"{self.step}/{self.total}"
         if args.log_every and self.step % args.log_every == 0:
             loss, _ = global_mean(*self.log_loss, self.device)  # .item(): the device has caught up
@@ -879,13 +865,34 @@ def add_extra_args(p):
                         "Transformer loads")
 
 
+def check_values(args):
+    """The arguments in range, each wrong one an error line that names the fix; the model's flags read
+    by model_config; FSDP2 there."""
+    refuse_ignored_model_flags(args)
+    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+                   "d_model", "num_heads", "d_ff", "num_layers", "timeout", "peak_tflops")
+    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
+    if args.d_model % args.num_heads:
+        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
+             "pass e.g. --d_model 128 --num_heads 4")
+    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0:
+        fail("--warmup and --dropout must be in [0, 1), --clip and --weight_decay 0 or more",
+             "e.g. --warmup 0.1 --dropout 0.1 --clip 1 --weight_decay 0.1")
+    if FSDP_MISSING:
+        fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
+             "install torch 2.7 or later")
+
+
 def check_export_args(args):
     """--export: a file, outside the checkpoint folder (where it would overwrite a save or the pointer)."""
-    check_folders(args.export)
-    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
+    if not args.export:
+        return
+    if (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
         fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
              "overwrite a save or the pointer", "export to a file outside --checkpoint")
-    if args.export and os.path.isdir(args.export):
+    if os.path.isdir(args.export):
         fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
 
 
@@ -959,11 +966,10 @@ class Meter:
     def __init__(self, device, args):
         peak, self.peak_source = device_peak(args, device)
         self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
-        self.device, self.block = device, args.block_size
-        self.memory, self.steps, self.left_out_s = Memory(device, args.profile_memory), 0, {"checkpoint": [],
-                                                                                             "evaluation": []}
+        self.device, self.block, self.memory = device, args.block_size, Memory(device, args.profile_memory)
+        self.steps, self.left_out_s, self.tokens, self.mark = 0, {"checkpoint": [], "evaluation": []}, 0, (0.0, 0)
         self.started, self.timed_from, self.stopped, self.first_step_s = None, None, None, 0.0
-        self.tokens, self.mark, self.excludes = 0, (0.0, 0), "first step left out"
+        self.excludes = "first step left out"
 
     def start(self, model):
         """Before the first step: what a token costs, and the time its first step takes from here."""
@@ -973,7 +979,7 @@ class Meter:
         """What train_step calls to measure the gradients (Memory.mark) in this invocation's first step; None after."""
         return self.memory.mark if self.steps == 0 else None
 
-    def stepped(self, tokens, model, optimizer):
+    def stepped(self, tokens):
         """After each optimizer step: the first one starts the clock (the device caught up)."""
         self.steps += 1
         self.memory.after_step(self.steps)
@@ -1542,7 +1548,6 @@ def export(model, payload, path):
         save_checkpoint({"model": weights, **payload}, path)
         print0(f"exported the whole model to {path}", every_rank=True)
     del weights
-
 
 
 # =============================================================================
