@@ -1,15 +1,18 @@
 """The character-level Transformer of ddp_transformer.py, sharded with FSDP2 instead of replicated by DDP.
 
-Scenario: the model no longer fits on one device with DDP, which keeps a whole copy of the
-weights, the gradients and AdamW's two moments on every rank (16 bytes a parameter in fp32,
-whatever the world size). FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps 1/W of each on
-each of W ranks: a block's parameters are all-gathered just before its forward and backward
-and freed after, and its gradients are reduce-scattered, so each rank keeps and updates its
-own shard. The text, the model, the loop and the contract are ddp_transformer.py's; the lessons
-of the two files (above their `beyond the lesson` banners) differ in DIFF_LINES lines, mostly what
-sharding changes: the wrap (shard()), no_sync, the clipped norm, the sharded checkpoint. Checkpoints
-are sharded (torch.distributed.checkpoint: each rank writes its shards) and reshard on load, so a
-run saved at one world size resumes at another.
+Scenario: the seed's small Transformer (embedding, multi-head self-attention with rotary
+positions, feed-forward, LayerNorm) learns to predict the next character of a text.
+The default text is a fixed list of Python standard library modules, so the script runs
+offline on any machine with Python; `--data PATH` trains on your own text file. Every
+rank reads the same text and builds the same vocabulary; `DistributedSampler` shards the
+training windows, FSDP2 shards the model and averages its gradients, the validation loss is reduced over
+all ranks with every window counted once. `--dataset toy` reruns the seed's own
+experiment (12 rows of one repeated token, its sizes and SGD).
+
+Why shard: DDP keeps a whole copy of the weights, the gradients and AdamW's two moments on every
+rank (16 bytes a parameter in fp32, whatever the world size); FSDP2 (`fully_shard`) keeps 1/W of each
+on each of W ranks: a block's parameters are all-gathered just before its forward and backward and
+freed after, its gradients are reduce-scattered, and each rank updates its own shard.
 
 Launch:
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py       # 2 GPUs (or 2 CPU processes)
@@ -20,46 +23,50 @@ Launch:
     torchrun --standalone --nproc-per-node=4 fsdp_transformer.py --max_steps 200 --resume  # ... resharded to 4
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --export model.pt  # one file for Transformer
     grep -n "# PORT" fsdp_transformer.py      # your own model: docs/fsdp.md, "Port your own model"
-    torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \\
         --save_every_steps 10                              # a restarted job continues its last save
 
-The choices, where sharding is applied (shard()): an explicit 1-D device mesh of --device's type (left
-to itself fully_shard builds a CUDA one on a CUDA wheel, so on a CPU the mesh must be named); one
-fully_shard per Transformer block (one all-gather and one reduce-scatter each, the next block's
-gather overlapping this one's compute), then the root; reshard_after_forward True for the blocks (the
-memory saving, at one more all-gather per block), False for the root, whose output layer the backward
-uses first. `--amp bf16`: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) instead of
-autocast; the shards, the optimizer and the checkpoints stay fp32 (fp16 would need a sharded
-GradScaler and is not offered). The whole model is built from --seed on every rank, then sharded:
-the weights at step 0 do not depend on the world size (tested at 1-4; built on the meta device, each
-shard would need a matching seeded init: torchtitan#1777). Gradient accumulation: the first K-1
-micro-batches skip the reduce-scatter (set_requires_gradient_sync(False), FSDP2's no_sync) and hold
-whole gradients; --accumulate sharded reduce-scatters every micro-batch instead. clip_grad_norm_
-returns a DTensor: full_tensor() makes it the number DDP's would be. Nothing is gathered whole: the
-sample runs the sharded model, --export streams one tensor at a time to rank 0's CPU.
+How long it trains: `--max_steps` optimizer steps (as nanoGPT's max_iters), the same
+number whatever the text's length and the world size; `--epochs N` trains whole epochs
+instead (given both, whichever ends first). One step sees batch x grad_accum x world
+windows, so more ranks see more text in the same steps; the `model:` line says how many
+epochs of this text the steps make. The learning-rate warmup and decay are in steps too.
+Each epoch cuts its training windows from another offset (window_offset), so that over the
+epochs every character starts a window, the same windows at any world size and on resume.
 
-Checkpoints (--checkpoint is a folder): each save is a folder `step-N` of every rank's shards, which
-counts once `latest.json` (written atomically by rank 0 after every rank finished; it holds what is not
-a tensor, as JSON, and the job's stamp) names it, so a run killed mid-save resumes from the previous
-save. They are read as data, not code: the harness's `safe DCP` recipe reads `.metadata` with an
-unpickler that admits only DCP's metadata classes, refuses non-tensor entries (DCP would torch.load
-them in full) and opens each file once, by name, in its folder's descriptor (no link, FIFO, hard link
-or mount). A second run on the same folder is refused (rank 0 locks it); another run's folder is
-continued only with --resume (the job's own, after a torchrun restart, without).
+The choices, in shard(): an explicit 1-D device mesh of --device's type (left to itself fully_shard
+builds a CUDA one on a CUDA wheel); one fully_shard per Transformer block (one all-gather and one
+reduce-scatter each, the next block's gather overlapping this one's compute), then the root;
+reshard_after_forward True for the blocks (the memory saving, at one more all-gather per block), False
+for the root, whose output layer the backward uses first. `--amp bf16`: MixedPrecisionPolicy(bf16
+compute, fp32 reduction) instead of autocast; shards, optimizer and checkpoints stay fp32 (fp16 would
+need a sharded GradScaler: not offered). The whole model is built from --seed on every rank, then
+sharded: the weights at step 0 do not depend on the world size (tested at 1-4; on the meta device each
+shard would need a matching seeded init: torchtitan#1777). Accumulation: the first K-1 micro-batches
+skip the reduce-scatter (no_sync) and hold whole gradients; --accumulate sharded reduce-scatters each.
+clip_grad_norm_ returns a DTensor: full_tensor() makes it the number DDP's would be. Nothing is gathered
+whole: the sample runs the sharded model, --export streams one tensor at a time to rank 0's CPU.
+
+Checkpoints (--checkpoint is a folder): each save is a folder `step-N` of every rank's shards (DCP),
+resharded on load, so a run saved at one world size resumes at another. A save counts once
+`latest.json` names it (written atomically by rank 0 after every rank finished; it holds what is not a
+tensor, as JSON), so a run killed mid-save resumes from the previous one. Read as data, not code (the
+harness's `safe DCP` recipe: `.metadata` unpickled admitting DCP's classes alone, no non-tensor entry,
+each file opened once by name in its folder, no link, FIFO, hard link or mount). Rank 0 locks the
+folder; another run's is continued only with --resume (the job's own, after a restart, without).
+The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in DIFF_LINES lines
+(test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
+Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
+at another world size, the printed summary); then the harness, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import atexit
-import gc
 import contextlib
-import fcntl
 import hashlib
-import json
 import math
 import os
-import re
-import stat
 import sys
 import sysconfig
 import time
@@ -93,14 +100,11 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
-POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
-MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpWithDefaults)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
     add_length_args(p)
     add_optimizer_args(p)
     add_data_args(p)
@@ -280,11 +284,8 @@ def default_corpus():
 
 
 def read_corpus(args):
-    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts.
-
-    The vocabulary is the sorted string of the text's characters, so every rank that
-    reads the same text builds the same one; the toy data has the seed's 100 ids instead.
-    """
+    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts. The
+    vocabulary is the sorted string of the text's characters, so every rank builds the same one (toy: None)."""
     if args.dataset == "toy":
         return "", "the seed's toy rows (12 x 10, one token each)", None
     if args.data is None:
@@ -305,15 +306,10 @@ def read_corpus(args):
 
 class Windows(Dataset):
     """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
-    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
-    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
-    that over the epochs every position starts a window and the model sees each stretch of text
-    under other contexts, instead of the same blocks at the same places epoch after epoch; the
-    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
-
-    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
-    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
-    DataLoader (and no per-sample Python) sits in the step.
+    window i is tokens[s : s + block + 1] with s = offset + i*block (the grid moves every epoch: see
+    window_offset; a window the shift pushes past the end is the text's last). `Tensor.unfold` makes
+    every start a view (no copy), and a tensor of window indices gathers a whole batch `(inputs,
+    targets)` at once: no DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
@@ -331,17 +327,6 @@ class Windows(Dataset):
         index = torch.as_tensor(index, device=self.starts.device)
         rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
         return rows[..., :-1], rows[..., 1:]
-
-
-def window_offset(seed, epoch, block):
-    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
-    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
-    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
-    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
-    def order(cycle):
-        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
-    cycle, place = divmod(epoch, block)
-    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 def build_data(args, text, vocab, device):
@@ -366,10 +351,10 @@ def epoch_steps(sampler, global_batch, first=0, device="cpu"):
     # DistributedSampler pads the order to a multiple of W by repeating its first windows, as many as W
     # makes: cut them off (rank r's own positions are r, r+W, ... below n), so each is trained once
     mine = torch.tensor(list(sampler), dtype=torch.long, device=device)[:len(range(rank, n, world))]
-    share = global_batch // world
+    per_rank = global_batch // world
     for s in range(first, math.ceil(n / global_batch)):
         # the epoch's last step holds what is left: fewer windows, on some ranks maybe none
-        yield s, mine[s * share:(s + 1) * share], min(global_batch, n - s * global_batch)
+        yield s, mine[s * per_rank:(s + 1) * per_rank], min(global_batch, n - s * global_batch)
 
 
 def text_fingerprint(text):
@@ -380,12 +365,10 @@ def text_fingerprint(text):
 
 # ---------------------------------------------------------------- model
 def rotate(x):
-    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones added to the
-    embedding: channel pair i of the query or key at position t is turned by the angle t / 10000^(2i/d),
-    so the score of q_t and k_s depends on t - s, the distance, alone. No weights, nothing in the
-    checkpoint; on the CPU recipe (docs/ten_minutes.md) a lower validation loss at equal time. A head of
-    odd width (the seed's toy: 3) leaves its last channel as it is.
-    """
+    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones: channel pair i
+    of the query or key at position t is turned by the angle t / 10000^(2i/d), so the score of q_t and k_s
+    depends on t - s alone. No weights, nothing in the checkpoint; on the CPU recipe (docs/ten_minutes.md)
+    a lower validation loss at equal time. A head of odd width (the toy's 3) keeps its last channel."""
     length, half = x.size(-2), x.size(-1) // 2
     rate = 10000 ** -(torch.arange(half, device=x.device, dtype=torch.float) / half)
     angle = torch.outer(torch.arange(length, device=x.device, dtype=torch.float), rate)
@@ -395,13 +378,9 @@ def rotate(x):
 
 
 def causal_attention(q, k, v):
-    """Scaled dot-product attention in which position t attends to positions <= t only.
-
-    Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
-    `is_causal` is only a hint that still needs the T x T mask built and passed (torch 2.14's
-    multi_head_attention_forward raises without it), their weights have other names (every
-    checkpoint would change), and attention could not stay in fp32 under CPU bf16 autocast.
-    """
+    """Attention in which position t sees positions <= t only. Our own block, not torch's
+    nn.MultiheadAttention: there `is_causal` is only a hint that still needs the T x T mask (torch 2.14
+    raises without it), its weights have other names, and it could not stay fp32 under CPU bf16 autocast."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # torch's CPU flash-attention backward is several times slower in bf16 than in
         # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
@@ -528,29 +507,25 @@ def no_sync(model):
 
 
 def step_seed(seed, rank, step):
-    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
-    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
-    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
-    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
-    the same on every rank before it is sharded."""
+    """The seed of one rank's random draws (dropout's masks) in one step: different on every rank (the same
+    masks on different data would be noise correlated across replicas), and a function of (seed, rank, step)
+    alone, so a resumed run draws what an uninterrupted one would have. The initial weights come from --seed
+    alone, the same on every rank before they are sharded: the shards start as one model."""
     return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
 
 
-def train_step(model, optimizer, micro_batches, clip, step_tokens=None, lr=None, reduce_every=False, mark=None):
+def train_step(model, optimizer, micro_batches, clip, step_tokens=None, reduce_every=False, mark=None):
     """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
 
-    The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
-    reduce-scatters the sum once; with reduce_every (--accumulate sharded) every backward
-    reduce-scatters, and only the shards of the gradients are held between micro-batches.
-    mark: called before the first forward and after each backward (Memory measures the gradients).
-    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
-    Each micro-batch's summed loss is divided by them and multiplied by the world size,
-    which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
+    FSDP2's way to accumulate is `no_sync(model)` (above): the first K-1 backward passes keep whole
+    gradients, the K-th reduce-scatters the sum once. step_tokens: the step's tokens on all ranks
+    (default: this rank's x the world size). Each micro-batch's summed loss is divided by them and
+    multiplied by the world size, which FSDP's average divides by again: one step on the mean over every
     token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
     Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
+    reduce_every (--accumulate sharded): every backward reduce-scatters, and only shards are held.
+    mark: called before the first forward and after each backward (Memory measures the gradients).
     """
-    for group in optimizer.param_groups if lr is not None else ():
-        group["lr"] = lr
     tokens = sum(y.numel() for _, y in micro_batches)
     world = dist.get_world_size() if dist.is_initialized() else 1
     scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
@@ -577,10 +552,8 @@ def train_step(model, optimizer, micro_batches, clip, step_tokens=None, lr=None,
 
 @torch.no_grad()
 def evaluate(model, dataset, indices, batches):
-    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes.
-
-    Every forward all-gathers the weights, so every rank must run as many (some may be empty).
-    """
+    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes: every
+    forward all-gathers the weights, so every rank must run as many (some may be empty)."""
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
@@ -647,23 +620,9 @@ def shard(model, device, args):  # PORT: your model's repeated blocks (model.lay
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     model = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    model.reduce_averages = reduction_averages(mesh, device)  # train_step scales the loss by it
-    if not model.reduce_averages:
-        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
-               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
+    # whether FSDP2 averages the gradients, as DDP does (torch 2.7 summed them on gloo): train_step scales by it
+    model.reduce_averages = reduction_averages(lambda probe: fully_shard(probe, mesh=mesh), device)
     return model
-
-
-def reduction_averages(mesh, device):
-    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
-    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
-    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
-    mean (world + 1) / 2 comes back where FSDP averages."""
-    world = dist.get_world_size()
-    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
-    fully_shard(probe, mesh=mesh)
-    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
-    return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
 
 
 class Run:
@@ -675,11 +634,12 @@ class Run:
         check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
                                  "another Python version or file on another node? pass --data PATH on a "
                                  "file system every node sees")
-        self.device, self.args, self.config = device, args, model_config(args, self.vocab)
+        self.device, self.args = device, args
+        self.config = config = model_config(args, self.vocab)
         torch.manual_seed(args.seed)
         self.meter = Meter(device, args)  # tokens/s, MFU and memory: the memory's peak counts from here
         # the whole model from the seed on every rank, then sharded: the same weights at any world size
-        self.model = shard(Transformer(**self.config).to(device), device, args)  # PORT: your model
+        self.model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
         self.optimizer = make_optimizer(self.model, args)
         self.train_set, self.val_set = build_data(args, text, self.vocab, device)
         # where the run is: the epochs done, the windows of this epoch's shuffled order trained, optimizer steps
@@ -738,11 +698,12 @@ class Run:
             dist.barrier()  # rank 0 made the folder
             save_tensors(self.tensors()[0], root, folder)
             if dist.get_rank() == 0:
-                commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
-                                                 "epoch": epoch + 1 if finished else epoch, "step": self.step,
-                                                 "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                                                 "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                                                 "schedule": self.schedule, "world_size": dist.get_world_size()})
+                commit_checkpoint(root, folder, {
+                    "config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
+                    "epoch": epoch + 1 if finished else epoch, "step": self.step,
+                    "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                    "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                    "schedule": self.schedule, "world_size": dist.get_world_size()})
             self.committed = folder
             dist.barrier()  # nobody reads the checkpoint before it is complete
 
@@ -782,8 +743,9 @@ class Run:
         self.losses.append(loss)
         self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
         self.save(epoch)
-        print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {math.ceil(self.windows_in_epoch / self.global_batch)}/"
-               f"{self.steps_per_epoch} steps | {windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
+        done = math.ceil(self.windows_in_epoch / self.global_batch)  # the epoch's steps, resumed ones too
+        print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
+               f"{windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
                f"checkpoint {self.args.checkpoint}")
         # the next epoch starts at its beginning
         self.ended, self.windows_in_epoch, self.epoch_loss = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
@@ -807,10 +769,11 @@ def train(device, args, corpus, checkpoint):
             if run.step >= run.total:
                 break
             torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
-            lr = lr_at(run.step, run.schedule, args)
+            for group in run.optimizer.param_groups:  # the schedule's rate, by the step
+                group["lr"] = lr_at(run.step, run.schedule, args)
             micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
             step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
-            loss_sum, tokens, norm = train_step(run.model, run.optimizer, micro_batches, args.clip, step_tokens, lr,
+            loss_sum, tokens, norm = train_step(run.model, run.optimizer, micro_batches, args.clip, step_tokens,
                                                 args.accumulate == "sharded", run.meter.gradient_marks())
             run.grad_norms.append(norm)
             run.stepped(epoch, s, loss_sum, tokens, step_tokens)  # the log line, evaluation, checkpoints
@@ -851,7 +814,24 @@ def main():
         sys.exit(1)  # the replicas differ: DDP did not keep them identical
 
 
-# ---- beyond the lesson: MFU and memory accounting, resuming at another world size, the checkpoint folder's pointer and lock ----
+# ---- beyond the lesson: MFU and memory, resuming at another world size, the checkpoint folder's pointer and lock ----
+import atexit
+import fcntl
+import gc
+import json
+import re
+import stat
+
+POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
+# the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
+SAVE = re.compile(r"step-(\d{8}|[1-9]\d{8,14})(-\d{1,6})?")
+POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
+POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
+                  "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
+LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
+MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
+
+
 def add_extra_args(p):
     """The flags of what lies beyond the lesson: the MFU's peak, the CPU's memory record, the export."""
     p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
@@ -894,6 +874,22 @@ def check_export_args(args):
              "overwrite a save or the pointer", "export to a file outside --checkpoint")
     if os.path.isdir(args.export):
         fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
+
+
+def reduction_averages(shard_probe, device):
+    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
+    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
+    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
+    mean (world + 1) / 2 comes back where FSDP averages. shard_probe: fully_shard on the model's mesh."""
+    world = dist.get_world_size()
+    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
+    shard_probe(probe)
+    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
+    averages = abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
+    if not averages:
+        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
+               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
+    return averages
 
 
 def flops_per_token(model, block):  # PORT: your model's FLOPs (only the MFU and the model: line use it)
@@ -993,7 +989,7 @@ class Meter:
 
     @contextlib.contextmanager
     def left_out(self, what):
-        """Time `what` (a checkpoint, an evaluation) and leave it out: once started, the clock starts that much later."""
+        """Time `what` (a checkpoint, an evaluation) and leave it out: the clock, once started, starts later."""
         start = time.perf_counter()
         yield
         self.left_out_s[what].append(time.perf_counter() - start)
@@ -1026,15 +1022,13 @@ class Meter:
 class Memory:
     """This rank's bytes of parameters, gradients and optimizer state, and the peak, all measured.
 
-    Parameters and optimizer state are counted from this rank's tensors (a DTensor's local shard).
-    Gradients are measured: the bytes of tensors alive after each backward of the first step, less
-    those alive before its first forward (the most over its micro-batches: under --grad_accum
-    unsharded, FSDP2 holds whole gradients between them). The peak is the most bytes of tensors alive
-    at once: on an accelerator by torch's allocator, over the whole run, its end included; on the CPU,
-    where torch keeps no such count (and the process's resident size holds the libraries, and pages
-    malloc keeps after a free), by the profiler's record of every tensor allocation and free, over the
-    first two steps, or with --profile_memory over the whole run, its end included (the profiler's own
-    record grows with the run: about 500 MiB of process memory, not of tensors, over a 60-step run).
+    Parameters and optimizer state: this rank's tensors (a DTensor's local shard). Gradients: the bytes
+    of tensors alive after each backward of the first step less those before its first forward (the most
+    over its micro-batches: under --accumulate unsharded FSDP2 holds whole gradients between them). The
+    peak of tensors alive at once: on an accelerator by torch's allocator, over the whole run; on the CPU
+    (no such count; the resident size holds libraries and pages malloc keeps) by the profiler's record of
+    every allocation and free, over the first two steps, or with --profile_memory the whole run (its own
+    record grows with the run: about 500 MiB of process memory over a 60-step run).
     """
 
     def __init__(self, device, whole_run=False):
@@ -1232,17 +1226,6 @@ def check_tensors(save, model):
                  "point --checkpoint at a folder this configuration wrote", every_node=True)
 
 
-# the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
-SAVE = re.compile(r"step-(\d{8}|[1-9]\d{8,14})(-\d{1,6})?")
-
-
-POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
-
-
-POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
-                  "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
-
-
 def read_pointer(root):
     """The pointer (JSON) in checkpoint folder `root`, None where there is none. Every field is checked
     for its type and range, and the save it names must be a folder inside `root`: anything else is one
@@ -1284,7 +1267,8 @@ def lock_checkpoint_folder(root):
     try:  # as a save's files are opened: a link, a hard link or a FIFO planted as .lock is refused, not written
         top = open_folder(root)
         try:
-            fd, why = open_checked(LOCK, stat.S_ISREG, top, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+            fd, why = open_checked(LOCK, stat.S_ISREG, top,
+                                   os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         finally:
             os.close(top)
         if why:
@@ -1404,9 +1388,6 @@ def check_checkpoint(args, state, corpus):
         check_tensors(save, shapes)
 
 
-LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
-
-
 def describe(run, checkpoint):
     """The `data:`, `model:` and start lines: what this run trains on, with what, for how long; what is left."""
     args, model, world = run.args, run.model, dist.get_world_size()
@@ -1437,7 +1418,8 @@ def describe(run, checkpoint):
 def report(run, vals, in_sync):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
     (first_val, val), args, meter, history, steps = vals, run.args, run.meter, run.losses, run.meter.steps
-    tokens_per_s, fpt, saves = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token, meter.left_out_s["checkpoint"]
+    tokens_per_s, fpt = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token
+    saves = meter.left_out_s["checkpoint"]
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": run.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": run.load_s,
@@ -1548,6 +1530,17 @@ def export(model, payload, path):
         save_checkpoint({"model": weights, **payload}, path)
         print0(f"exported the whole model to {path}", every_rank=True)
     del weights
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
+    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
+    cycle, place = divmod(epoch, block)
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 # =============================================================================
