@@ -54,8 +54,8 @@ tensor, as JSON), so a run killed mid-save resumes from the previous one. Read a
 harness's `safe DCP` recipe: `.metadata` unpickled admitting DCP's classes alone, no non-tensor entry,
 each file opened once by name in its folder, no link, FIFO, hard link or mount). Rank 0 locks the
 folder; another run's is continued only with --resume (the job's own, after a restart, without).
-The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in DIFF_LINES lines
-(test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
+The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 417 lines (at most 420:
+test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
 Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
 does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
 at another world size, the printed summary); then the harness, the same in every script.
