@@ -54,7 +54,7 @@ tensor, as JSON), so a run killed mid-save resumes from the previous one. Read a
 harness's `safe DCP` recipe: `.metadata` unpickled admitting DCP's classes alone, no non-tensor entry,
 each file opened once by name in its folder, no link, FIFO, hard link or mount). Rank 0 locks the
 folder; another run's is continued only with --resume (the job's own, after a restart, without).
-The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 417 lines (at most 420:
+The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 416 lines (at most 420:
 test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
 Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
 does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
@@ -653,9 +653,10 @@ class Run:
         self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
         self.total, self.epochs = run_length(self.steps_per_epoch, args)
         self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
-        # this invocation's: the epoch it ended in, the loss and windows of each epoch, the logged losses by step
+        # this invocation's: the epoch it ended in, each epoch's loss and windows, the logged losses by step; and
+        # this rank's (loss summed over tokens, tokens) since the epoch's start and since the last log line
         self.ended, self.losses, self.windows, self.logged, self.grad_norms = self.epoch, [], [], {}, []
-        self.epoch_loss, self.log_loss = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
+        self.epoch_total, self.log_total = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
         # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
         # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
         check_same_on_every_rank(self.step, "resume steps (0: not resumed)",
@@ -720,13 +721,13 @@ class Run:
         """After step s of the epoch: the place and the losses, the log line, evaluation, a checkpoint every N steps."""
         args, n = self.args, len(self.train_set)
         self.step, self.windows_in_epoch = self.step + 1, min(n, (s + 1) * self.global_batch)
-        self.epoch_loss = (self.epoch_loss[0] + loss_sum, self.epoch_loss[1] + tokens)
-        self.log_loss = (self.log_loss[0] + loss_sum, self.log_loss[1] + tokens)
+        self.epoch_total = (self.epoch_total[0] + loss_sum, self.epoch_total[1] + tokens)
+        self.log_total = (self.log_total[0] + loss_sum, self.log_total[1] + tokens)
         self.meter.stepped(step_tokens)
         where = f"{self.step}/{self.total}"
         if args.log_every and self.step % args.log_every == 0:
-            loss, _ = global_mean(*self.log_loss, self.device)  # .item(): the device has caught up
-            self.log_loss, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
+            loss, _ = global_mean(*self.log_total, self.device)  # .item(): the device has caught up
+            self.log_total, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
             print0(f"step {where} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
                    + self.meter.mfu_since_mark())
         if args.eval_every and self.step % args.eval_every == 0 and self.step < self.total:
@@ -738,7 +739,7 @@ class Run:
 
     def end_epoch(self, epoch, start, since):
         """The epoch's mean loss, its line and its checkpoint."""
-        loss, tokens = global_mean(*self.epoch_loss, self.device)
+        loss, tokens = global_mean(*self.epoch_total, self.device)
         seconds, windows = time.perf_counter() - start, tokens // self.args.block_size
         self.losses.append(loss)
         self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
@@ -748,7 +749,7 @@ class Run:
                f"{windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
                f"checkpoint {self.args.checkpoint}")
         # the next epoch starts at its beginning
-        self.ended, self.windows_in_epoch, self.epoch_loss = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
+        self.ended, self.windows_in_epoch, self.epoch_total = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
 
 
 def train(device, args, corpus, checkpoint):
@@ -867,12 +868,10 @@ def check_values(args):
 
 def check_export_args(args):
     """--export: a file, outside the checkpoint folder (where it would overwrite a save or the pointer)."""
-    if not args.export:
-        return
-    if (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
+    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
         fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
              "overwrite a save or the pointer", "export to a file outside --checkpoint")
-    if os.path.isdir(args.export):
+    if args.export and os.path.isdir(args.export):
         fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
 
 
@@ -1154,16 +1153,16 @@ def choose_split(global_batch, world, passed, usual):
     """
     if global_batch % world:
         return None
-    share = global_batch // world  # windows per process per step
+    per_rank = global_batch // world  # windows per process per step
     if "batch_size" in passed:
         batches = [passed["batch_size"]]
     elif "grad_accum" in passed:
-        batches = [share // passed["grad_accum"]]
+        batches = [per_rank // passed["grad_accum"]]
     else:
-        batches = range(min(usual, share), 0, -1)
+        batches = range(min(usual, per_rank), 0, -1)
     for batch in batches:
-        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
-            return batch, share // batch
+        if batch and per_rank % batch == 0 and passed.get("grad_accum", per_rank // batch) * batch == per_rank:
+            return batch, per_rank // batch
     return None
 
 
