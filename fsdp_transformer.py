@@ -54,7 +54,7 @@ tensor, as JSON), so a run killed mid-save resumes from the previous one. Read a
 harness's `safe DCP` recipe: `.metadata` unpickled admitting DCP's classes alone, no non-tensor entry,
 each file opened once by name in its folder, no link, FIFO, hard link or mount). Rank 0 locks the
 folder; another run's is continued only with --resume (the job's own, after a restart, without).
-The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 416 lines (at most 420:
+The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 418 lines (at most 420:
 test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
 Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
 does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
@@ -744,9 +744,9 @@ class Run:
         self.losses.append(loss)
         self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
         self.save(epoch)
-        done = math.ceil(self.windows_in_epoch / self.global_batch)  # the epoch's steps, resumed ones too
-        print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-               f"{windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
+        of = f"/{self.epochs}"  # epoch 3/5: of the run's epochs
+        print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {math.ceil(self.windows_in_epoch / self.global_batch)}/"
+               f"{self.steps_per_epoch} steps | {windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
                f"checkpoint {self.args.checkpoint}")
         # the next epoch starts at its beginning
         self.ended, self.windows_in_epoch, self.epoch_total = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
@@ -812,7 +812,7 @@ def main():
     finally:
         cleanup()
     if not in_sync:
-        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+        sys.exit(1)  # the shards differ from one model's: FSDP did not keep them in step
 
 
 # ---- beyond the lesson: MFU and memory, resuming at another world size, the checkpoint folder's pointer and lock ----
