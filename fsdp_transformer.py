@@ -1,14 +1,18 @@
 """The character-level Transformer of ddp_transformer.py, sharded with FSDP2 instead of replicated by DDP.
 
-Scenario: the model no longer fits on one device with DDP, which keeps a whole copy of the
-weights, the gradients and AdamW's two moments on every rank (16 bytes a parameter in fp32,
-whatever the world size). FSDP2 (`torch.distributed.fsdp.fully_shard`) keeps 1/W of each on
-each of W ranks: a block's parameters are all-gathered just before its forward and backward
-and freed after, and its gradients are reduce-scattered, so each rank keeps and updates its
-own shard. The text, the model, the loop and the contract are ddp_transformer.py's; `diff
-ddp_transformer.py fsdp_transformer.py` shows what sharding changes. Checkpoints are sharded
-(torch.distributed.checkpoint: each rank writes its shards) and reshard on load, so a run
-saved at one world size resumes at another.
+Scenario: the seed's small Transformer (embedding, multi-head self-attention with rotary
+positions, feed-forward, LayerNorm) learns to predict the next character of a text.
+The default text is a fixed list of Python standard library modules, so the script runs
+offline on any machine with Python; `--data PATH` trains on your own text file. Every
+rank reads the same text and builds the same vocabulary; `DistributedSampler` shards the
+training windows, FSDP2 shards the model and averages its gradients, the validation loss is reduced over
+all ranks with every window counted once. `--dataset toy` reruns the seed's own
+experiment (12 rows of one repeated token, its sizes and SGD).
+
+Why shard: DDP keeps a whole copy of the weights, the gradients and AdamW's two moments on every
+rank (16 bytes a parameter in fp32, whatever the world size); FSDP2 (`fully_shard`) keeps 1/W of each
+on each of W ranks: a block's parameters are all-gathered just before its forward and backward and
+freed after, its gradients are reduce-scattered, and each rank updates its own shard.
 
 Launch:
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py       # 2 GPUs (or 2 CPU processes)
@@ -19,74 +23,54 @@ Launch:
     torchrun --standalone --nproc-per-node=4 fsdp_transformer.py --max_steps 200 --resume  # ... resharded to 4
     torchrun --standalone --nproc-per-node=2 fsdp_transformer.py --export model.pt  # one file for Transformer
     grep -n "# PORT" fsdp_transformer.py      # your own model: docs/fsdp.md, "Port your own model"
-    torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 fsdp_transformer.py \\
         --save_every_steps 10                              # a restarted job continues its last save
 
-The choices, where sharding is applied (shard()):
-- The mesh: an explicit 1-D device mesh over all ranks (init_device_mesh), of --device's type.
-  Left to itself fully_shard builds one for the accelerator torch was built for (cuda on a
-  CUDA wheel), so on a CPU, with gloo, the mesh must be named.
-- One fully_shard per Transformer block, then the root (embedding, last norm, output layer):
-  each block is one all-gather and one reduce-scatter, and the next block's all-gather can
-  overlap this block's compute.
-- reshard_after_forward: True for the blocks (free the gathered weights after the forward,
-  gather them again for the backward: the memory saving, at one more all-gather per block),
-  False for the root, whose output layer and norm the backward uses first.
-- Mixed precision (`--amp bf16`): MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
-  the gathered weights and the compute are bf16, the gradients are reduced in fp32, and the
-  shards, the optimizer and the checkpoints stay fp32. It replaces autocast here; fp16 would
-  need a sharded GradScaler and is not offered.
-- Nothing whole after that: the sample runs the sharded model on every rank, --export streams one
-  tensor at a time to rank 0's CPU, and the replica check reads the shards where they are.
-- Initialisation: the whole model is built on every rank from --seed, as DDP's is, and then
-  sharded: the weights at step 0 do not depend on the world size (bit for bit, tested at 1-4).
-  (Built on the meta device, a model too large for one device would need a seeded init of
-  each shard that matched this; torchtitan#1777 is what goes wrong otherwise.) Its embedding
-  and output layer are separate weights; a model that ties them must shard them together.
-- Gradient accumulation: the first K-1 micro-batches skip the reduce-scatter
-  (set_requires_gradient_sync(False), FSDP2's no_sync); their gradients are kept unsharded
-  (the whole model's, on every rank) until the K-th, which reduces the sum once. --accumulate
-  sharded reduce-scatters every micro-batch instead: only the shards held, K times the traffic.
-  Clipping: clip_grad_norm_ returns the norm as a DTensor; full_tensor() makes it a plain number,
-  the same as DDP's.
+How long it trains: `--max_steps` optimizer steps (as nanoGPT's max_iters), the same
+number whatever the text's length and the world size; `--epochs N` trains whole epochs
+instead (given both, whichever ends first). One step sees batch x grad_accum x world
+windows, so more ranks see more text in the same steps; the `model:` line says how many
+epochs of this text the steps make. The learning-rate warmup and decay are in steps too.
+Each epoch cuts its training windows from another offset (window_offset), so that over the
+epochs every character starts a window, the same windows at any world size and on resume.
 
-Checkpoints (--checkpoint is a folder): each save is a new folder `step-N` holding every rank's
-shards, and counts only once `latest.json` names it: rank 0 writes that pointer atomically after
-every rank has finished, so a run killed mid-save resumes from the previous save, never from a
-mix of two. What is not a tensor (the position, the config, the vocabulary) is in the pointer,
-as JSON. DCP's own reader unpickles `.metadata` with plain pickle and non-tensor entries with
-a full, code-running torch.load; this script reads `.metadata` with an unpickler that admits only
-DCP's metadata classes, by name, refuses any non-tensor entry and reads nothing outside the folder
-(each file opened once by name in its folder's descriptor, checked on its own descriptor and read
-from it, by DCP too: no link, FIFO, hard link or mount): a checkpoint is data, not code. A second
-run on the same folder is refused (rank 0 locks it). As in ddp_transformer.py, a folder another run
-left is continued only with --resume (the job's own, after a torchrun restart, without): the job is
-stamped in the pointer.
+The choices, in shard(): an explicit 1-D device mesh of --device's type (left to itself fully_shard
+builds a CUDA one on a CUDA wheel); one fully_shard per Transformer block (one all-gather and one
+reduce-scatter each, the next block's gather overlapping this one's compute), then the root;
+reshard_after_forward True for the blocks (the memory saving, at one more all-gather per block), False
+for the root, whose output layer the backward uses first. `--amp bf16`: MixedPrecisionPolicy(bf16
+compute, fp32 reduction) instead of autocast; shards, optimizer and checkpoints stay fp32 (fp16 would
+need a sharded GradScaler: not offered). The whole model is built from --seed on every rank, then
+sharded: the weights at step 0 do not depend on the world size (tested at 1-4; on the meta device each
+shard would need a matching seeded init: torchtitan#1777). Accumulation: the first K-1 micro-batches
+skip the reduce-scatter (no_sync) and hold whole gradients; --accumulate sharded reduce-scatters each.
+clip_grad_norm_ returns a DTensor: full_tensor() makes it the number DDP's would be. Nothing is gathered
+whole: the sample runs the sharded model, --export streams one tensor at a time to rank 0's CPU.
+
+Checkpoints (--checkpoint is a folder): each save is a folder `step-N` of every rank's shards (DCP),
+resharded on load, so a run saved at one world size resumes at another. A save counts once
+`latest.json` names it (written atomically by rank 0 after every rank finished; it holds what is not a
+tensor, as JSON), so a run killed mid-save resumes from the previous one. Read as data, not code (the
+harness's `safe DCP` recipe: `.metadata` unpickled admitting DCP's classes alone, no non-tensor entry,
+each file opened once by name in its folder, no link, FIFO, hard link or mount). Rank 0 locks the
+folder; another run's is continued only with --resume (the job's own, after a restart, without).
+The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 418 lines (at most 420:
+test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
+Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
+at another world size, the printed summary); then the harness, the same in every script.
 """
 
 # ---------------------------------------------------------------- imports
 import argparse
-import atexit
-import gc
 import contextlib
-import enum
-import errno
-import fcntl
 import hashlib
-import io
-import json
 import math
 import os
-import pathlib
-import pickle
-import pickletools
-import re
-import stat
 import sys
 import sysconfig
 import time
 import warnings
-import zipfile
 from datetime import timedelta
 
 import torch
@@ -97,9 +81,6 @@ from torch.utils.data import Dataset, DistributedSampler
 
 try:  # torch 2.6+ (fully_shard in torch.distributed.fsdp); torch 2.7 is this collection's floor
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    from torch.distributed.checkpoint.planner import LoadItemType
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, \
         set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -119,20 +100,17 @@ VAL_FRACTION = 0.1
 # The default run: 10 s of training at 2 CPU processes (23 s with start-up and validation),
 # and below the unigram entropy at 1-4 processes on every text of 10,000+ characters tried.
 MAX_STEPS = 60
-POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
-LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
-MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpWithDefaults)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
     add_length_args(p)
     add_optimizer_args(p)
     add_data_args(p)
     add_model_args(p)
     add_run_args(p)
+    add_extra_args(p)  # beyond the lesson: --peak_tflops, --profile_memory, --export
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
@@ -218,24 +196,15 @@ def add_run_args(p):
     p.add_argument("--checkpoint", default=f"{os.path.splitext(os.path.basename(__file__))[0]}_ckpt", metavar="DIR",
                    help="folder of sharded checkpoints (every rank writes its shards), saved at the end of every "
                         "epoch and of the run")
-    p.add_argument("--export", default=None, metavar="PATH",
-                   help="at the end, write the whole model to one file (weights_only) that ddp_transformer.py's "
-                        "Transformer loads")
     p.add_argument("--save_every_steps", type=int, default=0, metavar="N",
                    help="also checkpoint every N optimizer steps, so a lost node costs at most N steps (0: off)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint, at any world size: its global batch and its place in the "
                         "epoch are kept")
-    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
-                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
-                        "common GPUs, looked up by name; none on CPU)")
     p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH",
                    help="write a JSON summary of the run here (rank 0)")
-    p.add_argument("--profile_memory", action="store_true",
-                   help="on CPU, record every tensor allocation of the whole run, its end included, for the peak "
-                        "(default: the first two steps; the record costs process memory as the run goes)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
                    help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
 
@@ -265,49 +234,14 @@ def fill_defaults(args):
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
     fill_defaults(args)
-    refuse_ignored_model_flags(args)
-    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
-                   "d_model", "num_heads", "d_ff", "num_layers", "timeout", "peak_tflops")
-    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
-        if getattr(args, name) < 0:
-            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
-    if args.d_model % args.num_heads:
-        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
-             "pass e.g. --d_model 128 --num_heads 4")
-    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0:
-        fail("--warmup and --dropout must be in [0, 1), --clip and --weight_decay 0 or more",
-             "e.g. --warmup 0.1 --dropout 0.1 --clip 1 --weight_decay 0.1")
-    if FSDP_MISSING:
-        fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
-             "install torch 2.7 or later")
+    check_values(args)  # in range: one error line that names the fix
     check_folders(args.checkpoint, args.metrics, args.export)
-    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
-        fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
-             "overwrite a save or the pointer", "export to a file outside --checkpoint")
-    if args.export and os.path.isdir(args.export):
-        fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
+    check_export_args(args)  # a file outside the checkpoint folder
     resolve_device(args)  # LOCAL_RANK is checked by prepare_rendezvous, once a hand-made launch's is filled in
     # unasked, only this job's own checkpoint is continued (torchrun restarted it, a node joined or left)
     args.resume = continue_checkpoint_folder(args.checkpoint, args.resume)
     lock_checkpoint_folder(args.checkpoint)  # a second run on the same folder: one line
     return args
-
-
-def refuse_ignored_model_flags(args):
-    """A model flag passed that model_config does not read would be ignored without a word (a ported
-    model with no attention heads still taking --num_heads): one error line instead."""
-    read = set()
-
-    class Reading:  # args, noting which of them model_config reads
-        def __getattr__(self, name):
-            read.add(name)
-            return getattr(args, name)
-    model_config(Reading(), None)
-    ignored = [f"--{name}" for name in args.model_flags if name not in read]
-    if ignored:
-        one = len(ignored) == 1
-        fail(f"{', '.join(ignored)} {'is' if one else 'are'} not used by this script's model (model_config does "
-             f"not read {'it' if one else 'them'})", f"drop {' '.join(ignored)}")
 
 
 # ---------------------------------------------------------------- process group
@@ -331,27 +265,6 @@ def setup(args):
     return device
 
 
-def resolve_amp(amp, device):
-    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else off (no fp16 here)."""
-    if device.type == "cpu":
-        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
-        # bf16 autocast ran no faster than fp32 there, because the casts and the
-        # element-wise work it adds cost what the faster matmuls save, and it is far
-        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
-        return "off" if amp == "auto" else amp
-    if amp == "auto":
-        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
-        # on CUDA): before Ampere bf16 is emulated, and fp32 is what is left (no fp16 here: see the docstring)
-        # agreed by every rank (a job over two kinds of GPU): a rank that gathered bf16 weights and one that
-        # gathered fp32 ones would run one all-gather with two sizes
-        native = torch.tensor([int(bf16_supported(device))], device=device)
-        dist.all_reduce(native, op=dist.ReduceOp.MIN)
-        return "bf16" if native.item() else "off"
-    if amp == "bf16" and not bf16_supported(device, emulated=True):
-        fail(f"this {device.type} device does not support bf16", "use --amp off", every_node=True)
-    return amp
-
-
 def cleanup():
     free_error_frames()  # the sharded model's hooks and buffers go before the group they talk through (harness)
     dist.destroy_process_group()
@@ -371,11 +284,8 @@ def default_corpus():
 
 
 def read_corpus(args):
-    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts.
-
-    The vocabulary is the sorted string of the text's characters, so every rank that
-    reads the same text builds the same one; the toy data has the seed's 100 ids instead.
-    """
+    """(text, its name, vocabulary), checked to fill a window in both splits, before any process starts. The
+    vocabulary is the sorted string of the text's characters, so every rank builds the same one (toy: None)."""
     if args.dataset == "toy":
         return "", "the seed's toy rows (12 x 10, one token each)", None
     if args.data is None:
@@ -394,24 +304,12 @@ def read_corpus(args):
     return text, name, "".join(sorted(set(text)))
 
 
-def unigram_entropy(text):
-    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
-    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
-    p = counts / counts.sum()
-    return float(-(p * p.log()).sum())
-
-
 class Windows(Dataset):
     """Windows of `block` + 1 tokens cut from one long tensor, every `block` tokens from `offset`:
-    window i is tokens[s : s + block + 1] with s = offset + i*block, whose last token is window
-    i+1's first input. The training set moves its grid every epoch (`shift`, window_offset), so
-    that over the epochs every position starts a window and the model sees each stretch of text
-    under other contexts, instead of the same blocks at the same places epoch after epoch; the
-    count stays (len - 1) // block, and a window the shift pushes past the end is the text's last.
-
-    `Tensor.unfold` with step 1 makes every start a view of the tokens (no copy). Indexing with a
-    tensor of window indices returns a whole batch `(inputs, targets)` by one gather, so no
-    DataLoader (and no per-sample Python) sits in the step.
+    window i is tokens[s : s + block + 1] with s = offset + i*block (the grid moves every epoch: see
+    window_offset; a window the shift pushes past the end is the text's last). `Tensor.unfold` makes
+    every start a view (no copy), and a tensor of window indices gathers a whole batch `(inputs,
+    targets)` at once: no DataLoader (and no per-sample Python) sits in the step.
     """
 
     def __init__(self, tokens, block):
@@ -428,34 +326,6 @@ class Windows(Dataset):
     def __getitem__(self, index):
         index = torch.as_tensor(index, device=self.starts.device)
         rows = self.starts[(index * self.block + self.offset).clamp(max=len(self.starts) - 1)]
-        return rows[..., :-1], rows[..., 1:]
-
-
-def window_offset(seed, epoch, block):
-    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
-    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
-    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
-    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
-    def order(cycle):
-        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
-    cycle, place = divmod(epoch, block)
-    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
-
-
-class NLPDataset(Dataset):
-    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
-
-    def __init__(self, size, length, device="cpu"):
-        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
-
-    def shift(self, offset):
-        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, index):
-        rows = self.data[torch.as_tensor(index, device=self.data.device)]
         return rows[..., :-1], rows[..., 1:]
 
 
@@ -481,10 +351,10 @@ def epoch_steps(sampler, global_batch, first=0, device="cpu"):
     # DistributedSampler pads the order to a multiple of W by repeating its first windows, as many as W
     # makes: cut them off (rank r's own positions are r, r+W, ... below n), so each is trained once
     mine = torch.tensor(list(sampler), dtype=torch.long, device=device)[:len(range(rank, n, world))]
-    share = global_batch // world
+    per_rank = global_batch // world
     for s in range(first, math.ceil(n / global_batch)):
         # the epoch's last step holds what is left: fewer windows, on some ranks maybe none
-        yield s, mine[s * share:(s + 1) * share], min(global_batch, n - s * global_batch)
+        yield s, mine[s * per_rank:(s + 1) * per_rank], min(global_batch, n - s * global_batch)
 
 
 def text_fingerprint(text):
@@ -495,12 +365,10 @@ def text_fingerprint(text):
 
 # ---------------------------------------------------------------- model
 def rotate(x):
-    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones added to the
-    embedding: channel pair i of the query or key at position t is turned by the angle t / 10000^(2i/d),
-    so the score of q_t and k_s depends on t - s, the distance, alone. No weights, nothing in the
-    checkpoint; on the CPU recipe (docs/ten_minutes.md) a lower validation loss at equal time. A head of
-    odd width (the seed's toy: 3) leaves its last channel as it is.
-    """
+    """Rotary positions (RoFormer, Su et al. 2021), in place of the seed's sinusoidal ones: channel pair i
+    of the query or key at position t is turned by the angle t / 10000^(2i/d), so the score of q_t and k_s
+    depends on t - s alone. No weights, nothing in the checkpoint; on the CPU recipe (docs/ten_minutes.md)
+    a lower validation loss at equal time. A head of odd width (the toy's 3) keeps its last channel."""
     length, half = x.size(-2), x.size(-1) // 2
     rate = 10000 ** -(torch.arange(half, device=x.device, dtype=torch.float) / half)
     angle = torch.outer(torch.arange(length, device=x.device, dtype=torch.float), rate)
@@ -510,13 +378,9 @@ def rotate(x):
 
 
 def causal_attention(q, k, v):
-    """Scaled dot-product attention in which position t attends to positions <= t only.
-
-    Our own block rather than torch's nn.MultiheadAttention / nn.TransformerEncoderLayer: there
-    `is_causal` is only a hint that still needs the T x T mask built and passed (torch 2.14's
-    multi_head_attention_forward raises without it), their weights have other names (every
-    checkpoint would change), and attention could not stay in fp32 under CPU bf16 autocast.
-    """
+    """Attention in which position t sees positions <= t only. Our own block, not torch's
+    nn.MultiheadAttention: there `is_causal` is only a hint that still needs the T x T mask (torch 2.14
+    raises without it), its weights have other names, and it could not stay fp32 under CPU bf16 autocast."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:
         # torch's CPU flash-attention backward is several times slower in bf16 than in
         # fp32 (40% of a bf16 step): attention runs in fp32 there, the matmuls stay bf16
@@ -603,6 +467,430 @@ def model_config(args, vocab):  # PORT: your model's constructor arguments, from
             "dropout": args.dropout, "positions": "rotary"}
 
 
+# ---------------------------------------------------------------- train / evaluate
+def make_optimizer(model, args):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding (PORT: its name)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
+
+
+def lr_at(step, total, args):
+    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
+
+    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
+    they are built and keep a step count of their own in the checkpoint, while a run resumed
+    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
+    """
+    warm = int(args.warmup * total)
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@contextlib.contextmanager
+def no_sync(model):
+    """FSDP2's counterpart of DDP's no_sync(): backward passes in here reduce-scatter nothing; the
+    gradients stay unsharded (a whole model's worth) and add up until a backward outside reduces them."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def step_seed(seed, rank, step):
+    """The seed of one rank's random draws (dropout's masks) in one step: different on every rank (the same
+    masks on different data would be noise correlated across replicas), and a function of (seed, rank, step)
+    alone, so a resumed run draws what an uninterrupted one would have. The initial weights come from --seed
+    alone, the same on every rank before they are sharded: the shards start as one model."""
+    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
+
+
+def train_step(model, optimizer, micro_batches, clip, step_tokens=None, reduce_every=False, mark=None):
+    """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
+
+    FSDP2's way to accumulate is `no_sync(model)` (above): the first K-1 backward passes keep whole
+    gradients, the K-th reduce-scatters the sum once. step_tokens: the step's tokens on all ranks
+    (default: this rank's x the world size). Each micro-batch's summed loss is divided by them and
+    multiplied by the world size, which FSDP's average divides by again: one step on the mean over every
+    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
+    Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
+    reduce_every (--accumulate sharded): every backward reduce-scatters, and only shards are held.
+    mark: called before the first forward and after each backward (Memory measures the gradients).
+    """
+    tokens = sum(y.numel() for _, y in micro_batches)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
+    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
+    mark = mark or (lambda label: None)
+    mark("start")
+    for i, (x, y) in enumerate(micro_batches):
+        sync = reduce_every or i == len(micro_batches) - 1
+        with contextlib.nullcontext() if sync else no_sync(model):
+            logits = model(x)  # no autocast: the MixedPrecisionPolicy casts (shard())
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+        del logits, loss  # what the backward left alive is now the gradients alone (Memory measures them)
+        mark(f"backward {i + 1}")
+    norm = None
+    if clip:
+        # the norm of the whole gradient, a DTensor (each rank holds a shard); full_tensor(): a plain number
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, tokens, norm
+
+
+@torch.no_grad()
+def evaluate(model, dataset, indices, batches):
+    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes: every
+    forward all-gathers the weights, so every rank must run as many (some may be empty)."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for batch in torch.as_tensor(indices, dtype=torch.long).tensor_split(batches):
+        x, y = dataset[batch]
+        logits = model(x)
+        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
+        totals[1] += y.numel()
+    model.train(was_training)
+    return totals
+
+
+# ---------------------------------------------------------------- checkpoint
+def read_checkpoint(args, corpus):
+    """The --resume checkpoint, read as data (never as code), for this model and this text; anything else is
+    one clear error before any process group exists (check_checkpoint: every value before it is used)."""
+    state = read_pointer(args.checkpoint)  # latest.json: the save that counts, and what is not a tensor
+    check_checkpoint(args, state, corpus)  # and the save's .metadata: this model's tensors, in its folder
+    return state
+
+
+def save_tensors(tensors, root, folder):
+    """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
+    after every rank has written, each file created in the folder's descriptor (SafeWriter). A write that
+    fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
+    (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
+    try:
+        with SaveFolder(root, folder) as save:
+            dcp.save(tensors, storage_writer=SafeWriter(save))
+    except (Exception, dcp.CheckpointException) as e:
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            remove_save(root, folder)
+        fail(f"cannot save checkpoint {os.path.join(root, folder)} ({failure_of(e)}); {POINTER} still names "
+             "the previous save", "free space on the disk or make the folder writable, then resume")
+
+
+# ---------------------------------------------------------------- the run
+def global_mean(loss_sum, count, device):
+    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
+    dist.all_reduce(totals)
+    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
+
+
+def run_length(steps_per_epoch, args):
+    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
+    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
+    return total, math.ceil(total / steps_per_epoch)
+
+
+def shard(model, device, args):  # PORT: your model's repeated blocks (model.layers here), then the root
+    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring).
+
+    What it expects of the model: a list of blocks, each one unit of all-gather and reduce-scatter
+    (model.layers), and the rest under the root. A weight used in two places (an embedding tied to
+    the output layer) must be in one unit: leave both modules to the root, never one in a block.
+    """
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # named: a CPU mesh runs on gloo
+    bf16 = args.amp == "bf16"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.float32 if bf16 else None)
+    # the root returns its output layer's result, a view; FSDP warns of in-place ops on it, which this loop never does
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    model = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    # whether FSDP2 averages the gradients, as DDP does (torch 2.7 summed them on gloo): train_step scales by it
+    model.reduce_averages = reduction_averages(lambda probe: fully_shard(probe, mesh=mesh), device)
+    return model
+
+
+class Run:
+    """One run: the data, the model sharded, the optimizer, and where the run is (train() steps it)."""
+
+    def __init__(self, device, args, corpus, checkpoint=None):
+        text, self.name, self.vocab = corpus
+        self.entropy = unigram_entropy(text) if self.vocab else None  # of a model that ignores context: a baseline
+        check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
+                                 "another Python version or file on another node? pass --data PATH on a "
+                                 "file system every node sees")
+        self.device, self.args = device, args
+        self.config = config = model_config(args, self.vocab)
+        torch.manual_seed(args.seed)
+        self.meter = Meter(device, args)  # tokens/s, MFU and memory: the memory's peak counts from here
+        # the whole model from the seed on every rank, then sharded: the same weights at any world size
+        self.model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
+        self.optimizer = make_optimizer(self.model, args)
+        self.train_set, self.val_set = build_data(args, text, self.vocab, device)
+        # where the run is: the epochs done, the windows of this epoch's shuffled order trained, optimizer steps
+        self.epoch, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
+        self.committed = checkpoint["folder"] if checkpoint else None  # the save the pointer names
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
+        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
+        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
+        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
+        self.total, self.epochs = run_length(self.steps_per_epoch, args)
+        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
+        # this invocation's: the epoch it ended in, each epoch's loss and windows, the logged losses by step; and
+        # this rank's (loss summed over tokens, tokens) since the epoch's start and since the last log line
+        self.ended, self.losses, self.windows, self.logged, self.grad_norms = self.epoch, [], [], {}, []
+        self.epoch_total, self.log_total = (torch.zeros((), device=device), 0), (torch.zeros((), device=device), 0)
+        # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
+        # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
+        check_same_on_every_rank(self.step, "resume steps (0: not resumed)",
+                                 "every rank must read the same checkpoint: put --checkpoint on a file system every "
+                                 "node sees, or copy the newest one to every node")
+
+    def tensors(self):
+        """What a save holds: the model's and AdamW's tensors, as DTensors (each rank its shards, which
+        DCP reshards on load). The param groups' numbers are the run's arguments, not saved."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if empty
+        return {"model": model, "optimizer": optimizer["state"]}, optimizer["param_groups"]
+
+    def restore(self, state):
+        """Continue a checkpoint that read_checkpoint checked: each rank reads the parts of the saved tensors
+        that its shards hold, at any world size; then the place in the run."""
+        start = time.perf_counter()
+        tensors, groups = self.tensors()
+        try:
+            with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
+                dcp.load(tensors, storage_reader=SafeReader(save))
+        except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
+            fail(f"cannot read checkpoint {self.args.checkpoint} ({failure_of(e)})",
+                 "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+        name = first_non_finite(tensors)
+        if name:
+            fail(f"checkpoint {self.args.checkpoint} holds a NaN or an infinity in {name[:120]}",
+                 "resume from a save made before the run diverged, or delete it to start afresh")
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
+        self.load_s = time.perf_counter() - start
+        self.epoch, self.windows_in_epoch, self.step = state["epoch"], state["windows_in_epoch"], state["step"]
+
+    def save(self, epoch):
+        """Every rank writes its shards; rank 0 then points latest.json at them. The place in global units: the
+        windows of the epoch's order trained and the global batch that trained them, so that any world size
+        that keeps the global batch can continue."""
+        finished, root = self.windows_in_epoch == len(self.train_set), self.args.checkpoint
+        with self.meter.left_out("checkpoint"):
+            folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
+            dist.barrier()  # rank 0 made the folder
+            save_tensors(self.tensors()[0], root, folder)
+            if dist.get_rank() == 0:
+                commit_checkpoint(root, folder, {
+                    "config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
+                    "epoch": epoch + 1 if finished else epoch, "step": self.step,
+                    "windows_in_epoch": 0 if finished else self.windows_in_epoch,
+                    "global_batch": self.global_batch, "batch_size": self.args.batch_size,
+                    "schedule": self.schedule, "world_size": dist.get_world_size()})
+            self.committed = folder
+            dist.barrier()  # nobody reads the checkpoint before it is complete
+
+    def validate(self):
+        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
+        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
+        most = math.ceil(len(self.val_set) / dist.get_world_size())  # rank 0's windows, the most any rank has
+        totals = evaluate(self.model, self.val_set, indices, math.ceil(most / self.args.batch_size))
+        self.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1]).item()
+
+    def stepped(self, epoch, s, loss_sum, tokens, step_tokens):
+        """After step s of the epoch: the place and the losses, the log line, evaluation, a checkpoint every N steps."""
+        args, n = self.args, len(self.train_set)
+        self.step, self.windows_in_epoch = self.step + 1, min(n, (s + 1) * self.global_batch)
+        self.epoch_total = (self.epoch_total[0] + loss_sum, self.epoch_total[1] + tokens)
+        self.log_total = (self.log_total[0] + loss_sum, self.log_total[1] + tokens)
+        self.meter.stepped(step_tokens)
+        where = f"{self.step}/{self.total}"
+        if args.log_every and self.step % args.log_every == 0:
+            loss, _ = global_mean(*self.log_total, self.device)  # .item(): the device has caught up
+            self.log_total, self.logged[self.step] = (torch.zeros((), device=self.device), 0), loss
+            print0(f"step {where} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
+                   + self.meter.mfu_since_mark())
+        if args.eval_every and self.step % args.eval_every == 0 and self.step < self.total:
+            with self.meter.left_out("evaluation"):
+                print0(f"step {where} | validation loss {self.validate():.4f}")
+        if args.save_every_steps and self.step % args.save_every_steps == 0 \
+                and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
+            self.save(epoch)
+
+    def end_epoch(self, epoch, start, since):
+        """The epoch's mean loss, its line and its checkpoint."""
+        loss, tokens = global_mean(*self.epoch_total, self.device)
+        seconds, windows = time.perf_counter() - start, tokens // self.args.block_size
+        self.losses.append(loss)
+        self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
+        self.save(epoch)
+        of = f"/{self.epochs}"  # epoch 3/5: of the run's epochs
+        print0(f"epoch {epoch + 1}{of} | loss {loss:.4f} | {math.ceil(self.windows_in_epoch / self.global_batch)}/"
+               f"{self.steps_per_epoch} steps | {windows} windows | {self.meter.rate_since(since)} | {seconds:.2f} s | "
+               f"checkpoint {self.args.checkpoint}")
+        # the next epoch starts at its beginning
+        self.ended, self.windows_in_epoch, self.epoch_total = epoch + 1, 0, (torch.zeros((), device=self.device), 0)
+
+
+def train(device, args, corpus, checkpoint):
+    """Train to --max_steps (or --epochs), validating before and after, then sample; returns whether the
+    replicas agree."""
+    run = Run(device, args, corpus, checkpoint)  # the data, the model sharded, the optimizer: at the checkpoint's place
+    describe(run, checkpoint)  # the data:, model: and start lines
+    first_val = run.validate()
+    print0(f"validation loss {first_val:.4f} before training")
+    run.meter.start(run.model)
+    for epoch in range(run.epoch, run.epochs):
+        if run.step >= run.total:  # no epoch of no step
+            break
+        run.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        run.train_set.shift(window_offset(args.seed, epoch, args.block_size))  # and a new grid of windows
+        first, start, since = run.windows_in_epoch // run.global_batch, time.perf_counter(), run.meter.reading()
+        for s, windows, step_windows in epoch_steps(run.sampler, run.global_batch, first, device):
+            if run.step >= run.total:
+                break
+            torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
+            for group in run.optimizer.param_groups:  # the schedule's rate, by the step
+                group["lr"] = lr_at(run.step, run.schedule, args)
+            micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
+            step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
+            loss_sum, tokens, norm = train_step(run.model, run.optimizer, micro_batches, args.clip, step_tokens,
+                                                args.accumulate == "sharded", run.meter.gradient_marks())
+            run.grad_norms.append(norm)
+            run.stepped(epoch, s, loss_sum, tokens, step_tokens)  # the log line, evaluation, checkpoints
+        run.end_epoch(epoch, start, since)  # its loss, its line and its checkpoint
+    run.meter.stop()
+    val = run.validate()
+    # nothing is gathered whole: the sample runs the sharded model on every rank, the replica check reads the shards
+    if args.sample and run.vocab:
+        text = generate(run.model, run.vocab, "\n" if "\n" in run.vocab else run.vocab[0], args.sample, args.seed)
+        print0(f"sample ({args.sample} characters):\n{text}")
+        run.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
+    if args.export:
+        export(run.model, {"config": run.config, "vocab": run.vocab}, args.export)  # streamed to rank 0's CPU
+    in_sync = replicas_in_sync(run.model, device)
+    run.meter.memory.count(run.model, run.optimizer)  # the bytes, after everything: the peak is the whole run's
+    report(run, (first_val, val), in_sync)
+    return in_sync
+
+
+# ---------------------------------------------------------------- main
+def main():
+    """One process of the job; torchrun (or the user) describes the job in the environment."""
+    args = check_args(parse_args())
+    corpus = read_corpus(args)
+    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
+    # a bad checkpoint is refused (one line) before any process group exists
+    checkpoint = read_checkpoint(args, corpus) if args.resume else None
+    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
+        resume_at_another_world_size(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
+    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, lambda: describe_checkpoint_folder(args.checkpoint)):
+            in_sync = train(device, args, corpus, checkpoint)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the shards differ from one model's: FSDP did not keep them in step
+
+
+# ---- beyond the lesson: MFU and memory, resuming at another world size, the checkpoint folder's pointer and lock ----
+import atexit
+import fcntl
+import gc
+import json
+import re
+import stat
+
+POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
+# the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
+SAVE = re.compile(r"step-(\d{8}|[1-9]\d{8,14})(-\d{1,6})?")
+POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
+POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
+                  "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
+LOCK, LOCKED = ".lock", {}  # in the --checkpoint folder: held by the run that uses it (lock_checkpoint_folder)
+MODEL_FLAGS = ("d_model", "num_heads", "d_ff", "num_layers", "dropout")  # PORT: add_model_args' flags
+
+
+def add_extra_args(p):
+    """The flags of what lies beyond the lesson: the MFU's peak, the CPU's memory record, the export."""
+    p.add_argument("--peak_tflops", type=float, default=None, metavar="TF",
+                   help="one device's peak dense TFLOP/s at this precision, for the MFU (default: a table of "
+                        "common GPUs, looked up by name; none on CPU)")
+    p.add_argument("--profile_memory", action="store_true",
+                   help="on CPU, record every tensor allocation of the whole run, its end included, for the peak "
+                        "(default: the first two steps; the record costs process memory as the run goes)")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="at the end, write the whole model to one file (weights_only) that ddp_transformer.py's "
+                        "Transformer loads")
+
+
+def check_values(args):
+    """The arguments in range, each wrong one an error line that names the fix; the model's flags read
+    by model_config; FSDP2 there."""
+    refuse_ignored_model_flags(args)
+    check_positive(args, "max_steps", "epochs", "batch_size", "grad_accum", "lr", "lr_decay_steps", "block_size",
+                   "d_model", "num_heads", "d_ff", "num_layers", "timeout", "peak_tflops")
+    for name in ("eval_every", "log_every", "sample", "save_every_steps"):
+        if getattr(args, name) < 0:
+            fail(f"--{name} must be 0 or more, got {getattr(args, name)}", f"pass --{name} 0 to turn it off")
+    if args.d_model % args.num_heads:
+        fail(f"--d_model {args.d_model} must be divisible by --num_heads {args.num_heads}",
+             "pass e.g. --d_model 128 --num_heads 4")
+    if not 0 <= args.warmup < 1 or not 0 <= args.dropout < 1 or not args.clip >= 0 or not args.weight_decay >= 0:
+        fail("--warmup and --dropout must be in [0, 1), --clip and --weight_decay 0 or more",
+             "e.g. --warmup 0.1 --dropout 0.1 --clip 1 --weight_decay 0.1")
+    if FSDP_MISSING:
+        fail(f"torch {torch.__version__} lacks FSDP2 or torch.distributed.checkpoint ({FSDP_MISSING})",
+             "install torch 2.7 or later")
+
+
+def check_export_args(args):
+    """--export: a file, outside the checkpoint folder (where it would overwrite a save or the pointer)."""
+    if args.export and (os.path.realpath(args.export) + os.sep).startswith(os.path.realpath(args.checkpoint) + os.sep):
+        fail(f"--export {args.export} is the checkpoint folder {args.checkpoint} or lies in it, where it would "
+             "overwrite a save or the pointer", "export to a file outside --checkpoint")
+    if args.export and os.path.isdir(args.export):
+        fail(f"--export {args.export} is a folder", "pass a file name, e.g. --export model.pt")
+
+
+def reduction_averages(shard_probe, device):
+    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
+    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
+    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
+    mean (world + 1) / 2 comes back where FSDP averages. shard_probe: fully_shard on the model's mesh."""
+    world = dist.get_world_size()
+    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
+    shard_probe(probe)
+    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
+    averages = abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
+    if not averages:
+        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
+               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
+    return averages
+
+
 def flops_per_token(model, block):  # PORT: your model's FLOPs (only the MFU and the model: line use it)
     """Training FLOPs per token, the usual GPT estimate: 6 x (weights used in matmuls) + attention.
 
@@ -664,1092 +952,56 @@ def peak_of(name, precision):
     return None, f"no peak is known for {name}"
 
 
-# ---------------------------------------------------------------- train / evaluate
-def make_optimizer(model, args):
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=args.lr)
-    # weight decay on the matrices only, not on biases, LayerNorm gains or the embedding (PORT: its name)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    try:  # fused: one kernel for the whole update (CUDA, and CPU in recent torch)
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=True)
-    except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), foreach=True)
-
-
-def lr_at(step, total, args):
-    """Linear warmup over the first `warmup` of the run, then a cosine down to lr / 10.
-
-    A function of the step, not a torch.optim.lr_scheduler: those fix the schedule's length when
-    they are built and keep a step count of their own in the checkpoint, while a run resumed
-    with a larger --max_steps must stretch its schedule, and the step alone says where it is.
-    """
-    warm = int(args.warmup * total)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def note_schedule(saved, schedule, step, args):
-    """On a resume: one line when the schedule's length is not the one the checkpoint followed (a larger
-    --max_steps stretches it, and the rate climbs back up), naming --lr_decay_steps, which keeps it."""
-    if saved is None or saved == schedule:  # a checkpoint from before the length was saved says nothing
-        return
-    print0(f"note: the learning-rate schedule is now {schedule} steps long, the checkpoint's was {saved}: at "
-           f"step {step} the rate is {lr_at(step, schedule, args):.2e} instead of {lr_at(step, saved, args):.2e} "
-           f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
-
-
-@contextlib.contextmanager
-def no_sync(model):
-    """FSDP2's counterpart of DDP's no_sync(): backward passes in here reduce-scatter nothing; the
-    gradients stay unsharded (a whole model's worth) and add up until a backward outside reduces them."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def step_seed(seed, rank, step):
-    """The seed of one rank's random draws (dropout's masks) in one step. Different on every rank: one
-    seed for all (torch.manual_seed(--seed) on every rank) gives every rank the same masks on different
-    data, noise correlated across replicas. A function of (seed, rank, step) alone: a resumed run draws
-    what an uninterrupted one would have. The initial weights come from --seed alone, before any step,
-    the same on every rank before it is sharded."""
-    return ((seed * 1_000_003 + rank) * 1_000_000_007 + step) % 2**63
-
-
-def train_step(model, optimizer, micro_batches, amp, clip, step_tokens=None, reduce_every=False, mark=None):
-    """One optimizer step over K micro-batches; returns (sum of token losses, tokens, gradient norm or None).
-
-    The first K-1 backward passes keep their gradients unreduced (no_sync), the K-th
-    reduce-scatters the sum once; with reduce_every (--accumulate sharded) every backward
-    reduce-scatters, and only the shards of the gradients are held between micro-batches.
-    mark: called before the first forward and after each backward (Memory measures the gradients).
-    step_tokens: the step's tokens on all ranks (default: this rank's x the world size).
-    Each micro-batch's summed loss is divided by them and multiplied by the world size,
-    which FSDP's reduce-scatter averages away again: the step is one step on the mean over every
-    token of the global batch, also where the ranks hold unequal shares (an epoch's last step).
-    Where the reduce-scatter sums instead (model.reduce_averages, found by shard()), no multiplying.
-    """
-    tokens = sum(y.numel() for _, y in micro_batches)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    scale = (world if model.reduce_averages else 1) / (step_tokens or tokens * world)
-    loss_sum = torch.zeros((), device=micro_batches[0][1].device)
-    mark = mark or (lambda label: None)
-    mark("start")
-    for i, (x, y) in enumerate(micro_batches):
-        sync = reduce_every or i == len(micro_batches) - 1
-        with contextlib.nullcontext() if sync else no_sync(model):
-            with amp:
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            (loss * scale).backward()
-        loss_sum += loss.detach()
-        del logits, loss  # what the backward left alive is now the gradients alone (Memory measures them)
-        mark(f"backward {i + 1}")
-    norm = None
-    if clip:
-        # the norm of the whole gradient, a DTensor (each rank holds a shard); full_tensor(): a plain number
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, tokens, norm
-
-
-@torch.no_grad()
-def evaluate(model, dataset, indices, batches, amp):
-    """[sum of token losses, tokens] over `indices` of `dataset`, in `batches` forward passes.
-
-    Every forward all-gathers the weights, so every rank must run as many (some may be empty).
-    """
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
-    for batch in torch.as_tensor(indices, dtype=torch.long).tensor_split(batches):
-        x, y = dataset[batch]
-        with amp:
-            logits = model(x)
-        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").double()
-        totals[1] += y.numel()
-    model.train(was_training)
-    return totals
-
-
-@torch.no_grad()
-def generate(model, vocab, prompt, count, seed):
-    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
-    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for _ in range(count):
-        logits = model(ids[:, -model.max_len:])[0, -1].float()  # PORT: your model's context length
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
-        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
-        ids = torch.cat([ids, nxt], dim=1)
-    model.train(was_training)
-    return "".join(vocab[i] for i in ids[0].tolist())
-
-
-def export(model, payload, path):
-    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
-    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
-    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        save_checkpoint({"model": weights, **payload}, path)
-        print0(f"exported the whole model to {path}", every_rank=True)
-    del weights
-
-
-# ---------------------------------------------------------------- checkpoint
-def read_checkpoint(args, corpus):
-    """The --resume checkpoint, for this model and this text; anything else is one clear error.
-
-    The pointer (JSON, checked field by field by read_pointer) names the save that counts and holds
-    what is not a tensor; the save's `.metadata` is read as data (read_metadata) and must list this
-    model's tensors, each a tensor, in files of that save's folder.
-    """
-    state, (text, _, vocab) = read_pointer(args.checkpoint), corpus
-    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
-        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
-             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
-    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
-        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
-             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
-             "to start afresh")
-    config = model_config(args, vocab)
-    differ = sorted(k for k in config if state["config"].get(k) != config[k])
-    if differ:
-        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
-             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
-             "pass the same model sizes as the run that wrote it")
-    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
-    # and a step takes no more than the epoch holds: each of a step's micro-batches runs a forward, empty or not
-    if state["windows_in_epoch"] >= windows or state["global_batch"] > windows:
-        fail(f"{os.path.join(args.checkpoint, POINTER)} is at window {state['windows_in_epoch']} of {windows}, "
-             f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
-             "delete the folder to start afresh", every_node=True)
-    with torch.device("meta"):  # the shapes only: no memory for weights
-        shapes = Transformer(**config)  # PORT: your model
-    with SaveFolder(args.checkpoint, state["folder"]) as save:
-        check_tensors(save, shapes)
-    return state
-
-
-CHECKED = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY  # no link followed, no FIFO waited on
-FOLDER = os.O_RDONLY | os.O_DIRECTORY  # the --checkpoint folder itself: the user's to name, through a link or not
-
-
-def mount_of(fd):
-    """(device, mount) of an open file or folder: a bind mount of another run's folder on the same file
-    system has that file system's device but a mount of its own (Linux's /proc/self/fdinfo; elsewhere the
-    device alone tells a mount)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
-            mount = next((line.split()[1] for line in f if line.startswith("mnt_id:")), None)
-    except OSError:
-        mount = None
-    return os.fstat(fd).st_dev, mount
-
-
-def open_checked(name, kind, folder_fd, flags=CHECKED):
-    """(descriptor, "") of `name` in the open folder `folder_fd`, or (None, why it is refused). Opened once,
-    without following a link or waiting on a FIFO, and checked on the descriptor, so what is read from it
-    is what was checked whatever takes the name later: a plain file or folder (`kind`: stat.S_ISREG or
-    stat.S_ISDIR) on the folder's own mount (never into a bind mount), a file of one link (a hard link is
-    also a file of some other folder). A name with a separator or a NUL is refused unopened."""
-    if type(name) is not str or os.sep in name or "\0" in name or name in ("", ".", ".."):
-        return None, "it lies outside the checkpoint folder"
-    try:
-        fd = os.open(name, flags | (os.O_DIRECTORY if kind is stat.S_ISDIR else 0), 0o644, dir_fd=folder_fd)
-    except OSError as e:
-        return None, {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is a symbolic link or not a folder"
-                      }.get(e.errno, f"it cannot be opened ({e.strerror})")
-    found = os.fstat(fd)
-    why = "" if kind(found.st_mode) else "it is not a plain " + ("file" if kind is stat.S_ISREG else "folder")
-    if not why and mount_of(fd) != mount_of(folder_fd):
-        why = "it is another file system mounted there"
-    if not why and kind is stat.S_ISREG and found.st_nlink != 1:
-        why = f"it has {found.st_nlink} links (a hard link is a file of another folder too)"
-    if why:
-        os.close(fd)
-        return None, why
-    return fd, ""
-
-
-def opened_file(name, folder_fd):
-    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
-    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
-    if why:
-        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
-    return fd
-
-
-def read_bounded(name, folder_fd, limit):
-    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
-    on the descriptor first, then as many bytes from it."""
-    fd = opened_file(name, folder_fd)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
-        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
-    finally:
-        os.close(fd)
-    if len(data) != size:
-        raise ValueError("it shrank while it was read")
-    return data
-
-
-def read_file_in(root, name, limit):
-    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
-    top = os.open(root, FOLDER)
-    try:
-        return read_bounded(name, top, limit)
-    finally:
-        os.close(top)
-
-
-class SaveFolder:
-    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
-    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
-    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
-    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
-
-    def __init__(self, root, name):
-        self.path = os.path.join(root, name)
-        try:
-            top = os.open(root, FOLDER)
-        except OSError as e:
-            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
-                 every_node=True)
-        try:
-            self.fd, why = open_checked(name, stat.S_ISDIR, top)
-        finally:
-            os.close(top)
-        if why:
-            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
-                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
-
-    def size(self, name):
-        fd = opened_file(name, self.fd)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-
-    def close(self):
-        os.close(self.fd)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def layout_named(name):
-    """torch.serialization._get_layout, for the two layouts a saved tensor has: any other name is refused."""
-    if name not in ("torch.strided", "torch.sparse_coo"):
-        raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not a tensor layout")
-    return getattr(torch, name.split(".")[1])
-
-
-# What `.metadata` is made of, name by name: (module, name) as the pickle names it -> the object given.
-# Nothing dotted, no module admitted whole (a name like `os.system` resolves through a module's imports).
-# Paths become pure paths (no I/O), and the layout lookup is ours (layout_named).
-METADATA_GLOBALS = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
-                    ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"):
-                    pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-                    ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath}
-METADATA_GLOBALS.update({("torch", str(t).split(".")[1]): t for t in vars(torch).values() if isinstance(t, torch.dtype)})
-if not FSDP_MISSING:
-    import torch.distributed.checkpoint.filesystem as _filesystem
-    import torch.distributed.checkpoint.metadata as _metadata
-    METADATA_GLOBALS.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(_metadata, n)})  # each in torch 2.7 and 2.14
-    METADATA_GLOBALS[(_filesystem.__name__, "_StorageInfo")] = _filesystem._StorageInfo
-# the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
-METADATA_OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
-                    "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-                    "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "NONE", "NEWTRUE",
-                    "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
-                    "BINUNICODE", "SHORT_BINBYTES", "BINBYTES"}
-METADATA_LIMIT = 256 << 20  # bytes: DCP writes about 300 a tensor, so a million tensors fit
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle: admit only the (module, name) pairs of METADATA_GLOBALS, exactly,
-    so a payload (a __reduce__ naming any other callable, or a dotted name that walks from an admitted
-    module to `os.system`) is refused before it runs."""
-
-    def find_class(self, module, name):
-        if (module, name) in METADATA_GLOBALS:
-            return METADATA_GLOBALS[(module, name)]
-        raise pickle.UnpicklingError(f"{str(module)[:60]}.{str(name)[:60]} is not part of a checkpoint's metadata")
-
-
-def scan_pickle(data):
-    """Refuse, before unpickling, what the unpickler would act on before find_class sees anything: an
-    opcode DCP never writes, a memo index (the unpickler grows its memo to it: 2^32 entries from 12
-    bytes) beyond the entries made so far, or a frame longer than the file; and (the harness's
-    check_pickle) work beyond linear in its size: 267 bytes of memo references to a tuple nested 64 deep
-    as a dict key hung the resume. MetadataIndex objects are its keys."""
-    check_pickle(data, object_keys=True)
-    memo = 0
-    for op, arg, _ in pickletools.genops(data):  # a length past the end of the file raises ValueError here
-        if op.name not in METADATA_OPCODES:
-            raise pickle.UnpicklingError(f"opcode {op.name} is not used in a checkpoint's metadata")
-        if op.name in ("BINPUT", "LONG_BINPUT") and arg > memo or op.name in ("BINGET", "LONG_BINGET") and \
-                arg >= memo or op.name == "FRAME" and arg > len(data):
-            raise pickle.UnpicklingError(f"{op.name} {arg} claims more than the file holds")
-        memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
-
-
-def settable(obj, names):
-    """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
-    name: `names`, from described_names)."""
-    described = {}
-    for name in names:
-        with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
-            described[name] = getattr(obj, name)
-    return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
-
-
-def described_names(kind):
-    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
-    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
-    __class__ (an enum member's can be made another class, process-wide). A property without a setter
-    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
-    and its __flags__ (read-only) change with its caches."""
-    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
-            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
-
-
-def changed(before, now):
-    """The names whose value is not the one held before (an int or a str by value: some are made at each look)."""
-    return {k for k in before.keys() | now.keys() if k not in before or k not in now or before[k] is not now[k]
-            and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
-
-
-def put_back(obj, names, before):
-    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
-    attributes, described = before
-    now = settable(obj, names)
-    moved = changed(described, now[1])
-    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
-        setattr(obj, name, described[name])
-    if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
-        vars(obj).clear()
-        vars(obj).update(attributes)
-    else:  # a class's, changed through setattr alone
-        for k in changed(attributes, now[0]):
-            setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
-    return bool(moved or changed(attributes, now[0]))
-
-
-def unpickle_metadata(data):
-    """MetadataUnpickler on `data`, scanned first; what a setattr can change on the admitted objects and
-    enum members (settable) is checked afterwards, since a pickle's BUILD can set attributes on any object
-    it holds: a change is put back, then refused."""
-    scan_pickle(data)
-    held = list(METADATA_GLOBALS.values())
-    held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
-    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
-    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
-    before = [settable(v, n) for v, n in zip(held, names)]
-    try:
-        return MetadataUnpickler(io.BytesIO(data)).load()
-    finally:
-        for obj, n, state in zip(held, names, before):
-            if put_back(obj, n, state):
-                raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
-
-
-def read_metadata(folder):
-    """The save's `.metadata` (`folder`: the save's path, or its SaveFolder), unpickled by unpickle_metadata
-    and checked by check_metadata; a missing or foreign one is one error line."""
-    if not isinstance(folder, SaveFolder):
-        root, name = os.path.split(os.path.normpath(folder))
-        with SaveFolder(root or ".", name) as save:
-            return read_metadata(save)
-    path = os.path.join(folder.path, ".metadata")
-    try:
-        os.stat(".metadata", dir_fd=folder.fd, follow_symlinks=False)
-    except FileNotFoundError:
-        fail(f"{folder.path} is incomplete: it has no .metadata (a save that did not finish)",
-             f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
-    try:
-        return metadata_of(folder)
-    except Exception as e:  # anything, MemoryError and RecursionError included: the file is refused
-        fail(f"{path} was refused unread: {type(e).__name__}: {str(e)[:120]}", "load only checkpoints this script "
-             "wrote; delete it to start afresh", every_node=True)
-
-
-def metadata_of(save):
-    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
-    raises what refuses it."""
-    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, METADATA_LIMIT))
-    check_metadata(metadata, save)
-    return metadata
-
-
-def check_tensors(save, model):
-    """The save (a SaveFolder) must hold this model's weights, each a tensor of its shape (read_metadata
-    admits tensors only)."""
-    saved = read_metadata(save).state_dict_metadata
-    for name, tensor in model.state_dict().items():
-        entry = saved.get(f"model.{name}")
-        if tuple(getattr(entry, "size", ())) != tuple(tensor.shape):
-            fail(f"{save.path} is for another model: model.{name} is "
-                 f"{tuple(entry.size) if entry else 'missing'} there, {tuple(tensor.shape)} here",
-                 "point --checkpoint at a folder this configuration wrote", every_node=True)
-
-
-def check_metadata(metadata, folder):
-    """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
-    with a code-running torch.load), chunks that tile their tensor (check_tiled), and every byte range
-    inside a plain file of this save (`folder`, a SaveFolder; relative_path: a name, never absolute or `..`)."""
-    md = _metadata
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
-            type(getattr(metadata, "storage_meta", None)) not in (md.StorageMeta, type(None)) or \
-            type(getattr(metadata, "planner_data", None)) not in (dict, type(None)):
-        raise ValueError("not a checkpoint's metadata")
-    for key, entry in entries.items():
-        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or \
-                type(getattr(entry, "properties", None)) is not md.TensorProperties or \
-                not isinstance(getattr(entry.properties, "dtype", None), torch.dtype) or \
-                type(getattr(entry, "size", None)) is not torch.Size or type(getattr(entry, "chunks", None)) is not list:
-            raise ValueError(f"entry {str(key)[:60]!r} is not a tensor's")
-        for chunk in entry.chunks:
-            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if type(chunk) is not md.ChunkStorageMetadata or type(offsets) is not torch.Size or \
-                    type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
-                    not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
-                raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
-        check_tiled(key, entry)
-    files = {}
-    storage = getattr(metadata, "storage_data", None)
-    for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
-        name, start, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        if type(index) is not md.MetadataIndex or index.fqn not in entries or type(info) is not _filesystem._StorageInfo \
-                or type(name) is not str or type(start) is not int or type(length) is not int or \
-                getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
-            raise ValueError("its storage records are not a tensor file's byte ranges")
-        if name not in files:
-            files[name] = folder.size(name)
-        if start + length > files[name]:
-            raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
-
-
-def check_tiled(key, entry):
-    """The chunks of a saved tensor tile it, so that a resume sets every element: each chunk spans whole
-    rows (FSDP shards the first dimension, and every save this script writes is FSDP's), and the rows of the
-    chunks follow one another from the first to the last without a gap or an overlap. A gap resumed with
-    those rows left at their fresh initialization; sorting keeps the check at n log n for n chunks."""
-    if not entry.size:  # a 0-d tensor (AdamW's step): one chunk, the whole of it
-        if len(entry.chunks) != 1:
-            raise ValueError(f"{key[:60]!r} has {len(entry.chunks)} chunks; a 0-d tensor has one")
-        return
-    rows = []
-    for chunk in entry.chunks:
-        if 0 not in chunk.sizes and (tuple(chunk.offsets[1:]) != (0,) * (len(entry.size) - 1)
-                                     or chunk.sizes[1:] != entry.size[1:]):
-            raise ValueError(f"a chunk of {key[:60]!r} is not whole rows, as FSDP saves them")
-        rows += [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])] * (0 not in chunk.sizes)  # empty: no rows
-    rows.sort()
-    ends = [0] + [end for _, end in rows]
-    if [start for start, _ in rows] != ends[:-1] or ends[-1] != entry.size[0] and 0 not in entry.size:
-        raise ValueError(f"the chunks of {key[:60]!r} leave rows of it unsaved or save them twice")
-
-
-def check_tensor_record(data):
-    """One tensor as DCP stores it (a torch.save archive), checked before torch.load reads it: every zip
-    entry stored, adding up to no more than the record (torch.load would inflate a deflated entry), and
-    its pickle naming only what rebuilds a plain tensor. torch's weights_only allowlist admits more
-    (DTensor and DeviceMesh among it): what a tensor record may name is decided here, not there. The
-    harness's check_archive: the zip torch.load reads is the one checked (its end record agrees with
-    the entries: no second archive behind it), and its pickle is bounded."""
-    for op, arg, _ in pickletools.genops(check_archive(data)):
-        if op.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4") or op.name == "GLOBAL" and \
-                arg not in ("torch._utils _rebuild_tensor_v2", "collections OrderedDict") and \
-                not re.fullmatch(r"torch [A-Za-z0-9]+Storage", arg):
-            raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
-
-
-class SaveFiles(FileSystem):
-    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
-    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
-    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
-    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
-    and removed in the folder alone."""
-
-    def __init__(self, save):
-        super().__init__()
-        self.save = save
-
-    def name_of(self, path):
-        path = pathlib.Path(path)
-        if path.parent != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
-        return path.name
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        name = self.name_of(path)
-        if mode not in ("rb", "wb"):
-            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
-        fd = opened_file(name, self.save.fd) if mode == "rb" else \
-            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
-        with os.fdopen(fd, mode) as stream:
-            yield stream
-
-    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
-        if pathlib.Path(path) != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
-
-    def exists(self, path):
-        try:
-            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
-        except FileNotFoundError:
-            return False
-
-    def rm_file(self, path):
-        os.unlink(self.name_of(path), dir_fd=self.save.fd)
-
-    def rename(self, path, new_path):
-        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
-
-
-class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader over one save (a SaveFolder): read_metadata's unpickler and checks, every file
-    read from the descriptor that was checked (SaveFiles), and no entry read that is not a tensor (DCP
-    reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
-
-    def __init__(self, save):
-        super().__init__(save.path)
-        self.fs, self.save = SaveFiles(save), save
-
-    def read_metadata(self, *args, **kwargs):
-        metadata = metadata_of(self.save)  # read_checkpoint has said why a save is refused; a swap since is one line
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def _slice_file(self, file, sinfo):
-        """Each tensor's bytes, checked by check_tensor_record before DCP's torch.load reads them."""
-        data = super()._slice_file(file, sinfo).read()
-        check_tensor_record(data)
-        return io.BytesIO(data)
-
-    def read_data(self, plan, planner):
-        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
-            raise ValueError("a checkpoint entry is not a tensor")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
-            return super().read_data(plan, planner)
-
-
-# the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
-SAVE = re.compile(r"step-(\d{8}|[1-9]\d{8,14})(-\d{1,6})?")
-POINTER_LIMIT = 16 << 20  # bytes: the vocabulary of any text, as JSON, many times over
-POINTER_FIELDS = {"folder": str, "config": dict, "vocab": (str, type(None)), "epoch": int, "step": int,
-                  "windows_in_epoch": int, "global_batch": int, "batch_size": int, "world_size": int}
-
-
-def read_pointer(root):
-    """The pointer (JSON) in checkpoint folder `root`, None where there is none. Every field is checked
-    for its type and range, and the save it names must be a folder inside `root`: anything else is one
-    error line (never a traceback, nor a read outside the folder)."""
-    pointer = os.path.join(root, POINTER)
-    if not os.path.lexists(pointer):
-        return None
-    try:
-        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT),
-                           parse_constant=lambda name: {}[name])  # NaN and Infinity are not numbers here
-    except (OSError, ValueError, KeyError, RecursionError, MemoryError) as e:
-        fail(f"cannot read {pointer} ({type(e).__name__}: {str(e)[:80]})", "delete the folder to start afresh",
-             every_node=True)
-    bad = [k for k, kind in POINTER_FIELDS.items() if not isinstance(state, dict) or type(state.get(k)) is bool
-           or not isinstance(state.get(k), kind)]
-    if not bad:  # in range: counts are not negative, a step holds at least one window, names are ours
-        bad = [k for k in ("epoch", "step", "windows_in_epoch") if not 0 <= state[k] < 2 ** 48] + \
-              [k for k in ("global_batch", "world_size") if not 0 < state[k] <= 2 ** 24] + \
-              ["batch_size"] * (not 0 < state["batch_size"] <= state["global_batch"]) + \
-              ["folder"] * (not SAVE.fullmatch(state["folder"])) + \
-              ["job"] * (not isinstance(state.get("job"), (str, type(None)))) + \
-              ["text"] * (type(state.get("text", 0)) is not int) + \
-              ["schedule"] * (not (state.get("schedule") is None or type(state["schedule"]) is int
-                                   and 0 < state["schedule"] < 2 ** 48))
-    if bad:
-        fail(f"{pointer} is not a checkpoint pointer of this script ({', '.join(bad)} missing or out of range)",
-             "delete the folder to start afresh", every_node=True)
-    SaveFolder(root, state["folder"]).close()  # a folder in `root`, no link or mount: one line if not
-    return state
-
-
-def lock_checkpoint_folder(root):
-    """Global rank 0 holds an exclusive lock (fcntl.flock) on `root`/.lock while it runs, so a second run on
-    the same folder is refused in one line instead of deleting the first one's saves. The kernel drops
-    the lock when the process ends, however it ends: a crash or a kill leaves nothing stuck."""
-    if int(os.environ.get("RANK", "0")) != 0 or os.path.realpath(root) in LOCKED:  # before init_process_group too
-        return
-    os.makedirs(root, exist_ok=True)
-    try:  # as a save's files are opened: a link, a hard link or a FIFO planted as .lock is refused, not written
-        top = os.open(root, FOLDER)
-        try:
-            fd, why = open_checked(LOCK, stat.S_ISREG, top, CHECKED | os.O_RDWR | os.O_CREAT)
-        finally:
-            os.close(top)
-        if why:
-            raise OSError(f"{LOCK} is refused: {why}")
-    except OSError as e:
-        fail(f"cannot lock checkpoint folder {root} ({e})", "remove what is there, or pass another --checkpoint")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
-        fail(f"checkpoint folder {root} is in use by another run (process {holder} holds {LOCK})",
-             "wait for that run to end, or pass another --checkpoint")
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    LOCKED[os.path.realpath(root)] = fd  # held open until this process exits
-
-
-def save_folder(root, step, committed):
-    """The folder of the save at `step`, never the one the pointer names (`committed`): a resumed run
-    that saves at its first step writes beside it, and the save that counts is deleted only once a newer
-    one is committed. Rank 0 removes a folder of that name a killed save left (a link planted there is
-    refused: the save would write wherever it points) and makes it anew."""
-    name, n = f"step-{step:08d}", 0
-    while name == committed:
-        n, name = n + 1, f"step-{step:08d}-{n + 1}"
-    path = os.path.join(root, name)
-    if int(os.environ.get("RANK", "0")) == 0:
-        if os.path.lexists(path) and not remove_save(root, name):
-            fail(f"{path} is a link or a file, or a folder this run does not delete (a mount, or a folder in it), "
-                 "where this save would write its folder", "remove it and resume")
-        try:
-            os.mkdir(path)  # here, so that every rank opens it before writing (save_tensors)
-        except OSError as e:
-            fail(f"cannot make {path} ({e.strerror}); {POINTER} still names the previous save",
-                 "free space on the disk or make the folder writable, then resume")
-    return name
-
-
-def remove_save(root, name):
-    """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
-    is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
-    whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
-    try:
-        top = os.open(root, FOLDER)
-        try:
-            fd, _ = open_checked(name, stat.S_ISDIR, top)
-            if fd is None:
-                return False
-            try:
-                for entry in os.listdir(fd):
-                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
-                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
-            return True
-        finally:
-            os.close(top)
-    except OSError:
-        return False
-
-
-def commit_checkpoint(root, folder, state):
-    """Rank 0, once every rank's shards and the .metadata are on disk: flush the folder, point latest.json
-    at it, atomically and flushed (the save counts from here), then delete the saves before it. A pointer
-    that cannot be written (a full disk, a read-only folder) is one error line: the previous one is kept."""
-    with SaveFolder(root, folder) as save:  # still our folder, not a link or a FIFO put in its place
-        os.fsync(save.fd)  # the folder's entries (DCP flushed the files themselves)
-    pointer = {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID")}
-    try:  # atomic_write, not write_json: its failure is this save's, whose folder goes too
-        atomic_write(os.path.join(root, POINTER), lambda f: f.write(json.dumps(pointer, indent=2).encode()))
-    except OSError as e:
-        remove_save(root, folder)  # the space it holds: the disk may be full
-        fail(f"cannot write {os.path.join(root, POINTER)} ({e.strerror or e}); the save there is still {POINTER}'s "
-             "previous one", "free space on the disk or make the folder writable, then resume")
-    for name in os.listdir(root):
-        if SAVE.fullmatch(name) and name != folder:
-            remove_save(root, name)  # only our own folders: never a link's target or another mount
-
-
-def save_tensors(tensors, root, folder):
-    """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
-    after every rank has written, each file created in the folder's descriptor (SaveFiles). A write that
-    fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
-    (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
-    writer = FileSystemWriter(os.path.join(root, folder))
-    try:
-        with SaveFolder(root, folder) as save:
-            writer.fs = SaveFiles(save)
-            dcp.save(tensors, storage_writer=writer)
-    except (Exception, dcp.CheckpointException) as e:
-        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-            remove_save(root, folder)
-        fail(f"cannot save checkpoint {os.path.join(root, folder)} ({failure_of(e)}); {POINTER} still names "
-             "the previous save", "free space on the disk or make the folder writable, then resume")
-
-
-def failure_of(error):
-    """The line of an exception (DCP's gathers every rank's tracebacks) that says what failed."""
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    return next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()[-150:]
-
-
-def first_non_finite(tensors):
-    """The name of the first tensor of a loaded save (in the state dict's order) holding a NaN or an
-    infinity, on any rank (each looks at its own shards; they agree on the first), or None."""
-    named = list(leaves(tensors))
-    mine = next((i for i, (_, t) in enumerate(named)
-                 if not torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all()), len(named))
-    first = torch.tensor(mine, device=named[0][1].device if named else "cpu")
-    if dist.is_initialized():
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    return named[first.item()][0] if first.item() < len(named) else None
-
-
-def leaves(tree, prefix=""):
-    """(dotted name, tensor) of each tensor in nested dicts, in order."""
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from leaves(value, f"{prefix}{key}.")
-        elif isinstance(value, torch.Tensor):
-            yield f"{prefix}{key}", value
-
-
-def describe_checkpoint_folder(root):
-    """What a stopped run leaves in the checkpoint folder `root`, said as describe_checkpoint says it of a
-    file: the save its pointer names. Read leniently: Ctrl-C's line is no place for an error of its own."""
-    try:
-        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT))  # never a FIFO that would hang the line
-        path, where = os.path.join(root, str(state["folder"])), where_checkpoint_is(state)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return "no checkpoint kept"
-    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
-
-
-def continue_checkpoint_folder(root, resume):
-    """The harness's continue_checkpoint for a checkpoint folder: whether this run continues the save that
-    `root`'s pointer names. Asked (--resume): yes, and no pointer is one error line. Unasked: only this
-    job's own, the job stamped in the pointer, told as continue_checkpoint tells it for a file (torchrun's
-    TORCHELASTIC_RUN_ID; where that is `none`, a restart count above 0). Any other is not continued or
-    overwritten without a word: one error line says what it holds, which run wrote it, and the ways on."""
-    state = read_pointer(root)
-    if state is None:
-        if resume:
-            fail(f"--resume but there is no checkpoint in {root} (no {POINTER})",
-                 "pass the --checkpoint DIR an earlier run wrote, or drop --resume", every_node=True)
-        return False
-    job, run = state.get("job"), os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    ours = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if run == "none" else job == run
-    if resume or ours:
-        return True
-    fail(f"{root} holds a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
-         + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
-            else f"torchrun job {job}") + f" at world size {state.get('world_size', '?')}, not this job's",
-         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
-
-
-def choose_split(global_batch, world, passed, usual):
-    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
-
-    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
-    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
-    that divides this process's share of the step, and as many micro-batches as that takes.
-    """
-    if global_batch % world:
-        return None
-    share = global_batch // world  # windows per process per step
-    if "batch_size" in passed:
-        batches = [passed["batch_size"]]
-    elif "grad_accum" in passed:
-        batches = [share // passed["grad_accum"]]
-    else:
-        batches = range(min(usual, share), 0, -1)
-    for batch in batches:
-        if batch and share % batch == 0 and passed.get("grad_accum", share // batch) * batch == share:
-            return batch, share // batch
-    return None
-
-
-def keep_global_batch(args, state, world):
-    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
-    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
-
-    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
-    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
-    one, and the optimization (and the learning rate tuned for it) does not change under it.
-    """
-    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
-    split = choose_split(wanted, world, args.passed, usual)
-    if split is None:
-        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
-        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
-        fix = f"resume at {fits} processes"
-        if flags:
-            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
-                else f"drop {flags} and {fix}"
-        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
-             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
-             f"{fix}; or start afresh with another --checkpoint")
-    if split != (args.batch_size, args.grad_accum):
-        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
-               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
-               f"{split[0]} x --grad_accum {split[1]}")
-    args.batch_size, args.grad_accum = split
-
-
-# ---------------------------------------------------------------- trainer
-def global_mean(loss_sum, count, device):
-    """(mean, tokens) of a loss summed over `count` tokens on each rank, both reduced over all ranks."""
-    totals = torch.stack([loss_sum.double(), torch.tensor(float(count), dtype=torch.float64, device=device)])
-    dist.all_reduce(totals)
-    return ((totals[0] / totals[1]).item() if totals[1] else float("nan")), int(totals[1].item())
-
-
-def run_length(steps_per_epoch, args):
-    """(optimizer steps, epochs) of the whole run: --max_steps or --epochs, whichever ends first."""
-    total = min(steps_per_epoch * args.epochs if args.epochs else math.inf, args.max_steps or math.inf)
-    return total, math.ceil(total / steps_per_epoch)
-
-
-def shard(model, device, args):  # PORT: your model's repeated blocks (model.layers here), then the root
-    """fully_shard each block, then the root, on an explicit mesh (the choices: the docstring).
-
-    What it expects of the model: a list of blocks, each one unit of all-gather and reduce-scatter
-    (model.layers), and the rest under the root. A weight used in two places (an embedding tied to
-    the output layer) must be in one unit: leave both modules to the root, never one in a block.
-    """
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # named: a CPU mesh runs on gloo
-    bf16 = args.amp == "bf16"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=torch.float32 if bf16 else None)
-    # the root returns its output layer's result, a view; FSDP warns of in-place ops on it, which this loop never does
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    model = fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-    model.reduce_averages = reduction_averages(mesh, device)  # train_step scales the loss by it
-    if not model.reduce_averages:
-        print0(f"note: torch {torch.__version__}'s FSDP2 sums the gradients over the ranks on {dist.get_backend()} "
-               f"instead of averaging them (pytorch/pytorch#162338): the loss is scaled so that the step is the mean")
-    return model
-
-
-def reduction_averages(mesh, device):
-    """Whether FSDP2's reduce-scatter averages the gradients over the ranks, as DDP does: torch 2.7 summed
-    them on gloo (pytorch/pytorch#162338), which would multiply every step by the world size. A probe:
-    a layer of one row per rank (no random numbers drawn), its gradient rank + 1 on each rank; the
-    mean (world + 1) / 2 comes back where FSDP averages."""
-    world = dist.get_world_size()
-    probe = nn.Linear(1, world, bias=False, device="meta").to_empty(device=device)
-    fully_shard(probe, mesh=mesh)
-    probe(torch.ones(1, 1, device=device)).sum().mul(dist.get_rank() + 1).backward()
-    return abs(probe.weight.grad.full_tensor().mean().item() - (world + 1) / 2) < 1e-3
-
-
-class Trainer:
-    """Steps of K micro-batches under a warmup + cosine schedule, with logs, evaluation and checkpoints."""
-
-    def __init__(self, model, data, optimizer, device, args, checkpoint=None, memory=None):
-        self.model = model  # sharded: each rank holds its shard of every parameter
-        self.train_set, self.val_set, self.vocab, self.config = data
-        self.optimizer, self.device, self.args = optimizer, device, args
-        self.amp = contextlib.nullcontext()  # no autocast: the MixedPrecisionPolicy casts (shard())
-        # where the run is: the epoch, the windows of its shuffled order trained so far, optimizer steps
-        self.epochs_run, self.windows_in_epoch, self.step, self.load_s = 0, 0, 0, None
-        self.committed = checkpoint["folder"] if checkpoint else None  # the save the pointer names
-        if checkpoint is not None:
-            self._load_checkpoint(checkpoint)
-        self.sampler = DistributedSampler(self.train_set, shuffle=True, seed=args.seed)
-        # a step trains G windows of the epoch's order whatever the world size, the last step the rest
-        self.global_batch = args.batch_size * args.grad_accum * dist.get_world_size()
-        self.steps_per_epoch = math.ceil(len(self.train_set) / self.global_batch)
-        self.total, self.epochs = run_length(self.steps_per_epoch, args)
-        self.schedule = args.lr_decay_steps or self.total  # the learning rate's warmup + decay, in steps
-        if checkpoint is not None:
-            note_schedule(checkpoint.get("schedule"), self.schedule, self.step, args)
+class Meter:
+    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
+    of the first optimizer step (it allocates) to stop(), less the seconds left_out() (evaluation,
+    checkpoints): every rate printed, and the metrics', counts this way. And this rank's memory (class
+    Memory), from construction (before the model is built) on."""
+
+    def __init__(self, device, args):
         peak, self.peak_source = device_peak(args, device)
         self.peak = peak * dist.get_world_size() if peak else None  # of every device in use, for the MFU
-        # train()'s Memory counts its peak from before the model was built
-        self.memory = memory or Memory(device, args.profile_memory)
-        # this invocation's steps, windows per epoch, seconds per save, the logged (global) losses by step
-        self.steps, self.windows, self.save_s, self.logged, self.grad_norms = 0, [], [], {}, []
-        self.log_sum, self.log_count = torch.zeros((), device=device), 0
+        self.device, self.block, self.memory = device, args.block_size, Memory(device, args.profile_memory)
+        self.steps, self.left_out_s, self.tokens, self.mark = 0, {"checkpoint": [], "evaluation": []}, 0, (0.0, 0)
+        self.started, self.timed_from, self.stopped, self.first_step_s = None, None, None, 0.0
+        self.excludes = "first step left out"
 
-    def _tensors(self):
-        """What a save holds: the model's and AdamW's tensors, as DTensors (each rank its shards, which
-        DCP reshards on load). The param groups' numbers are the run's arguments, not saved."""
-        model, optimizer = get_state_dict(self.model, self.optimizer)  # the optimizer's state made if empty
-        return {"model": model, "optimizer": optimizer["state"]}, optimizer["param_groups"]
+    def start(self, model):
+        """Before the first step: what a token costs, and the time its first step takes from here."""
+        self.flops_per_token, self.started = flops_per_token(model, self.block), time.perf_counter()
 
-    def _load_checkpoint(self, state):
-        """Each rank reads the parts of the saved tensors that its shards hold, at any world size."""
-        start = time.perf_counter()
-        tensors, groups = self._tensors()
-        try:
-            with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
-                dcp.load(tensors, storage_reader=SafeReader(save))
-        except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
-            fail(f"cannot read checkpoint {self.args.checkpoint} ({failure_of(e)})",
-                 "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-        name = first_non_finite(tensors)
-        if name:
-            fail(f"checkpoint {self.args.checkpoint} holds a NaN or an infinity in {name[:120]}",
-                 "resume from a save made before the run diverged, or delete it to start afresh")
-        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={"state": tensors["optimizer"], "param_groups": groups})
-        self.load_s = time.perf_counter() - start
-        self.epochs_run, self.windows_in_epoch = state["epoch"], state["windows_in_epoch"]
-        self.step = state["step"]
+    def gradient_marks(self):
+        """What train_step calls to measure the gradients (Memory.mark) in this invocation's first step; None after."""
+        return self.memory.mark if self.steps == 0 else None
 
-    def _save_checkpoint(self, epoch):
-        """The position in global units, the windows of the epoch's order trained and the global batch
-        that trained them, so that any world size that keeps the global batch can continue."""
-        finished = self.windows_in_epoch == len(self.train_set)
-        start = time.perf_counter()
-        root = self.args.checkpoint
-        folder = save_folder(root, self.step, self.committed)  # never the committed one, nor a planted link
-        dist.barrier()
-        save_tensors(self._tensors()[0], root, folder)
-        if dist.get_rank() == 0:
-            commit_checkpoint(root, folder, {"config": self.config, "vocab": self.vocab, "text": self.args.fingerprint,
-                                             "epoch": epoch + 1 if finished else epoch, "step": self.step,
-                                             "windows_in_epoch": 0 if finished else self.windows_in_epoch,
-                                             "global_batch": self.global_batch, "batch_size": self.args.batch_size,
-                                             "schedule": self.schedule, "world_size": dist.get_world_size()})
-        self.committed = folder
-        dist.barrier()  # nobody reads the checkpoint before it is complete
-        self.save_s.append(time.perf_counter() - start)
-        self.clock.left_out(self.save_s[-1])
-
-    def validate(self):
-        """Mean loss over the whole validation split: rank r takes windows r, r+W, ...; no padding."""
-        indices = range(dist.get_rank(), len(self.val_set), dist.get_world_size())
-        most = math.ceil(len(self.val_set) / dist.get_world_size())  # rank 0's windows, the most any rank has
-        totals = evaluate(self.model, self.val_set, indices, math.ceil(most / self.args.batch_size), self.amp)
-        self.model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
-        dist.all_reduce(totals)
-        return (totals[0] / totals[1]).item()
-
-    def _run_step(self, micro_batches, step_windows):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.step, self.schedule, self.args)
-        step_tokens = step_windows * self.args.block_size  # on all ranks, known without asking them
-        torch.manual_seed(step_seed(self.args.seed, dist.get_rank(), self.step))  # dropout: see step_seed
-        loss_sum, tokens, norm = train_step(self.model, self.optimizer, micro_batches, self.amp, self.args.clip,
-                                            step_tokens, self.args.accumulate == "sharded",
-                                            self.memory.mark if self.steps == 0 else None)
-        self.grad_norms.append(norm)
-        self.step, self.steps = self.step + 1, self.steps + 1
-        self.log_sum += loss_sum
-        self.log_count += tokens
-        self.clock.stepped(step_tokens)
+    def stepped(self, tokens):
+        """After each optimizer step: the first one starts the clock (the device caught up)."""
+        self.steps += 1
         self.memory.after_step(self.steps)
-        return loss_sum, tokens
-
-    def _log(self):
-        args, step = self.args, self.step
-        if args.log_every and step % args.log_every == 0:
-            loss, _ = global_mean(self.log_sum, self.log_count, self.device)  # .item(): the device has caught up
-            self.log_sum, self.log_count, self.logged[step] = torch.zeros((), device=self.device), 0, loss
-            print0(f"step {step}/{self.total} | loss {loss:.4f} | lr {self.optimizer.param_groups[0]['lr']:.2e}"
-                   + self.clock.mfu_since_mark())
-        if args.eval_every and step % args.eval_every == 0 and step < self.total:
-            start = time.perf_counter()
-            print0(f"step {step}/{self.total} | validation loss {self.validate():.4f}")
-            self.clock.left_out(time.perf_counter() - start)
-
-    def _run_epoch(self, epoch):
-        """Train one epoch from where a checkpoint left it; returns (mean loss, steps done, windows trained)."""
-        n, g = len(self.train_set), self.global_batch
-        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        self.train_set.shift(window_offset(self.args.seed, epoch, self.args.block_size))  # and a new grid
-        loss_sum, count = torch.zeros((), device=self.device), 0
-        for s, windows, step_windows in epoch_steps(self.sampler, g, self.windows_in_epoch // g, self.device):
-            if self.step >= self.total:
-                break
-            micro_batches = [self.train_set[w] for w in windows.tensor_split(self.args.grad_accum)]
-            step_sum, tokens = self._run_step(micro_batches, step_windows)
-            loss_sum, count, self.windows_in_epoch = loss_sum + step_sum, count + tokens, min(n, (s + 1) * g)
-            self._log()
-            if self.args.save_every_steps and self.step % self.args.save_every_steps == 0 \
-                    and self.windows_in_epoch < n and self.step < self.total:  # else the epoch's end saves
-                self._save_checkpoint(epoch)
-        loss, tokens = global_mean(loss_sum, count, self.device)
-        return loss, math.ceil(self.windows_in_epoch / g), tokens // self.args.block_size
-
-    def train(self):
-        """Train to --max_steps (or --epochs); returns (loss per epoch, the epoch it ended in)."""
-        history, ended = [], self.epochs_run
-        self.clock = Throughput(flops_per_token(self.model, self.args.block_size), self.peak, self.device)
-        for epoch in range(self.epochs_run, self.epochs):
-            if self.step >= self.total:
-                break
-            start, since = time.perf_counter(), self.clock.reading()
-            loss, done, windows = self._run_epoch(epoch)
-            seconds = time.perf_counter() - start
-            history.append(loss)
-            self.windows.append(windows)  # counted by the ranks (their tokens, all-reduced), not assumed
-            ended = epoch + 1
-            self._save_checkpoint(epoch)
-            print0(f"epoch {epoch + 1}/{self.epochs} | loss {loss:.4f} | {done}/{self.steps_per_epoch} steps | "
-                   f"{windows} windows | {self.clock.rate_since(since)} | {seconds:.2f} s | "
-                   f"checkpoint {self.args.checkpoint}")
-            self.windows_in_epoch = 0  # the next epoch starts at its beginning
-        self.clock.stop()
-        return history, ended
-
-
-class Throughput:
-    """tokens/s and MFU (model FLOP/s over the peak of every device in use) of all ranks, timed from the end
-    of the first optimizer step (it allocates, and with --compile compiles) to stop(), less the seconds
-    left_out() (evaluation, checkpoints). Every rate printed, and the metrics', counts this way."""
-
-    def __init__(self, flops_per_token, peak, device, compiling=None):  # compiling: what it takes, or None
-        self.flops_per_token, self.peak, self.device, self.compiling = flops_per_token, peak, device, compiling
-        self.started, self.clock, self.stopped, self.first_step_s = time.perf_counter(), None, None, 0.0
-        self.tokens, self.mark, self.excludes = 0, (0.0, 0), f"first step{' (compiling)' if compiling else ''} left out"
-        if compiling:  # otherwise the first step is a minute of silence
-            print0(f"compiling: the first step compiles the model before it trains ({compiling}); "
-                   "tokens/s and MFU leave it out")
-
-    def stepped(self, tokens):  # after each optimizer step: the first one starts the clock (the device caught up)
-        if self.clock is not None:
+        if self.timed_from is not None:
             self.tokens += tokens
             return
         if self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
-        self.clock = time.perf_counter()
-        self.first_step_s = self.clock - self.started
-        if self.compiling:
-            print0(f"compiling: done, the first step took {self.first_step_s:.1f} s")
+        self.timed_from = time.perf_counter()
+        self.first_step_s = self.timed_from - self.started
 
-    def left_out(self, seconds):  # once started, the clock starts that much later
-        if self.clock is not None:
-            self.clock += seconds
+    @contextlib.contextmanager
+    def left_out(self, what):
+        """Time `what` (a checkpoint, an evaluation) and leave it out: the clock, once started, starts later."""
+        start = time.perf_counter()
+        yield
+        self.left_out_s[what].append(time.perf_counter() - start)
+        if self.timed_from is not None:
+            self.timed_from += self.left_out_s[what][-1]
 
     def stop(self):
         self.stopped = time.perf_counter()
 
     def reading(self):  # (seconds, tokens) timed so far
-        return ((self.stopped or time.perf_counter()) - self.clock, self.tokens) if self.clock is not None else (0.0, 0)
+        if self.timed_from is None:
+            return 0.0, 0
+        return (self.stopped or time.perf_counter()) - self.timed_from, self.tokens
 
     def rate(self, since, now):  # (tokens/s, ` | MFU 41.20%`) between two readings
         seconds, tokens = now[0] - since[0], now[1] - since[1]
@@ -1759,8 +1011,7 @@ class Throughput:
     def rate_since(self, since):
         """`8991 tokens/s (first step left out) | MFU 1.20%`: only a stretch from the start holds the first step."""
         rate, mfu = self.rate(since, self.reading())
-        note = f" ({self.excludes})" if since == (0.0, 0) else " (no compiling in it)" if self.compiling else ""
-        return f"{rate:.0f} tokens/s{note}{mfu}"
+        return f"{rate:.0f} tokens/s{f' ({self.excludes})' if since == (0.0, 0) else ''}{mfu}"
 
     def mfu_since_mark(self):  # for a log line: the MFU of the steps since the previous one
         since, self.mark = self.mark, self.reading()
@@ -1770,15 +1021,13 @@ class Throughput:
 class Memory:
     """This rank's bytes of parameters, gradients and optimizer state, and the peak, all measured.
 
-    Parameters and optimizer state are counted from this rank's tensors (a DTensor's local shard).
-    Gradients are measured: the bytes of tensors alive after each backward of the first step, less
-    those alive before its first forward (the most over its micro-batches: under --grad_accum
-    unsharded, FSDP2 holds whole gradients between them). The peak is the most bytes of tensors alive
-    at once: on an accelerator by torch's allocator, over the whole run, its end included; on the CPU,
-    where torch keeps no such count (and the process's resident size holds the libraries, and pages
-    malloc keeps after a free), by the profiler's record of every tensor allocation and free, over the
-    first two steps, or with --profile_memory over the whole run, its end included (the profiler's own
-    record grows with the run: about 500 MiB of process memory, not of tensors, over a 60-step run).
+    Parameters and optimizer state: this rank's tensors (a DTensor's local shard). Gradients: the bytes
+    of tensors alive after each backward of the first step less those before its first forward (the most
+    over its micro-batches: under --accumulate unsharded FSDP2 holds whole gradients between them). The
+    peak of tensors alive at once: on an accelerator by torch's allocator, over the whole run; on the CPU
+    (no such count; the resident size holds libraries and pages malloc keeps) by the profiler's record of
+    every allocation and free, over the first two steps, or with --profile_memory the whole run (its own
+    record grows with the run: about 500 MiB of process memory over a 60-step run).
     """
 
     def __init__(self, device, whole_run=False):
@@ -1868,130 +1117,429 @@ def allocations(events):
         yield from allocations(event.children)
 
 
-# ---------------------------------------------------------------- main
-def train(device, args, corpus, checkpoint):
-    """Build the data, model and trainer, train, validate before and after; returns whether replicas agree."""
-    text, name, vocab = corpus
-    torch.manual_seed(args.seed)
-    check_same_on_every_rank(text_fingerprint(text), "texts (fingerprints)",
-                             "another Python version or file on another node? pass --data PATH on a "
-                             "file system every node sees")
+def refuse_ignored_model_flags(args):
+    """A model flag passed that model_config does not read would be ignored without a word (a ported
+    model with no attention heads still taking --num_heads): one error line instead."""
+    read = set()
+
+    class Reading:  # args, noting which of them model_config reads
+        def __getattr__(self, name):
+            read.add(name)
+            return getattr(args, name)
+    model_config(Reading(), None)
+    ignored = [f"--{name}" for name in args.model_flags if name not in read]
+    if ignored:
+        one = len(ignored) == 1
+        fail(f"{', '.join(ignored)} {'is' if one else 'are'} not used by this script's model (model_config does "
+             f"not read {'it' if one else 'them'})", f"drop {' '.join(ignored)}")
+
+
+def note_schedule(saved, schedule, step, args):
+    """On a resume: one line when the schedule's length is not the one the checkpoint followed (a larger
+    --max_steps stretches it, and the rate climbs back up), naming --lr_decay_steps, which keeps it."""
+    if saved is None or saved == schedule:  # a checkpoint from before the length was saved says nothing
+        return
+    print0(f"note: the learning-rate schedule is now {schedule} steps long, the checkpoint's was {saved}: at "
+           f"step {step} the rate is {lr_at(step, schedule, args):.2e} instead of {lr_at(step, saved, args):.2e} "
+           f"(pass --lr_decay_steps {saved} to keep the checkpoint's schedule)")
+
+
+def choose_split(global_batch, world, passed, usual):
+    """(per-process batch, grad_accum) whose product with `world` is `global_batch`, or None.
+
+    What the user passed (`passed`: batch_size and/or grad_accum) is kept; the rest is chosen:
+    without either, the largest batch up to `usual` (the checkpoint's, known to fit in memory)
+    that divides this process's share of the step, and as many micro-batches as that takes.
+    """
+    if global_batch % world:
+        return None
+    per_rank = global_batch // world  # windows per process per step
+    if "batch_size" in passed:
+        batches = [passed["batch_size"]]
+    elif "grad_accum" in passed:
+        batches = [per_rank // passed["grad_accum"]]
+    else:
+        batches = range(min(usual, per_rank), 0, -1)
+    for batch in batches:
+        if batch and per_rank % batch == 0 and passed.get("grad_accum", per_rank // batch) * batch == per_rank:
+            return batch, per_rank // batch
+    return None
+
+
+def resume_at_another_world_size(args, state, world):
+    """On --resume: keep the checkpoint's global batch at this world size, with --batch_size and
+    --grad_accum chosen from what the user did not pass (one line says so), or one error line.
+
+    Why: step s of an epoch trains positions [s x G, (s+1) x G) of the epoch's shuffled order at
+    any world size, so with the same G a resumed run trains the very batches of an uninterrupted
+    one, and the optimization (and the learning rate tuned for it) does not change under it.
+    """
+    wanted, usual, path, then = state["global_batch"], state["batch_size"], args.checkpoint, state["world_size"]
+    split = choose_split(wanted, world, args.passed, usual)
+    if split is None:
+        flags = " ".join(f"--{k} {v}" for k, v in args.passed.items())
+        fits = ", ".join(str(w) for w in range(1, wanted + 1) if choose_split(wanted, w, {}, usual))
+        fix = f"resume at {fits} processes"
+        if flags:
+            fix = f"drop {flags} and a split is chosen" if choose_split(wanted, world, {}, usual) \
+                else f"drop {flags} and {fix}"
+        fail(f"{path} was trained with a global batch of {wanted} windows a step ({plural(then, 'process')}), "
+             f"which cannot be kept at {plural(world, 'process')}" + (f" with {flags}" if flags else ""),
+             f"{fix}; or start afresh with another --checkpoint")
+    if split != (args.batch_size, args.grad_accum):
+        print0(f"global batch kept: {wanted} windows a step, as {path} was trained ({plural(then, 'process')}), so "
+               f"each step trains the batch an uninterrupted run would: here {plural(world, 'process')} x --batch_size "
+               f"{split[0]} x --grad_accum {split[1]}")
+    args.batch_size, args.grad_accum = split
+
+
+def read_metadata(folder):
+    """The save's `.metadata` (`folder`: the save's path, or its SaveFolder), unpickled by unpickle_metadata
+    and checked by check_metadata; a missing or foreign one is one error line."""
+    if not isinstance(folder, SaveFolder):
+        root, name = os.path.split(os.path.normpath(folder))
+        with SaveFolder(root or ".", name) as save:
+            return read_metadata(save)
+    path = os.path.join(folder.path, ".metadata")
+    try:
+        os.stat(".metadata", dir_fd=folder.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        fail(f"{folder.path} is incomplete: it has no .metadata (a save that did not finish)",
+             f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
+    try:
+        return metadata_of(folder)
+    except Exception as e:  # anything, MemoryError and RecursionError included: the file is refused
+        fail(f"{path} was refused unread: {type(e).__name__}: {str(e)[:120]}", "load only checkpoints this script "
+             "wrote; delete it to start afresh", every_node=True)
+
+
+def check_tensors(save, model):
+    """The save (a SaveFolder) must hold this model's weights, each a tensor of its shape (read_metadata
+    admits tensors only)."""
+    saved = read_metadata(save).state_dict_metadata
+    for name, tensor in model.state_dict().items():
+        entry = saved.get(f"model.{name}")
+        if tuple(getattr(entry, "size", ())) != tuple(tensor.shape):
+            fail(f"{save.path} is for another model: model.{name} is "
+                 f"{tuple(entry.size) if entry else 'missing'} there, {tuple(tensor.shape)} here",
+                 "point --checkpoint at a folder this configuration wrote", every_node=True)
+
+
+def read_pointer(root):
+    """The pointer (JSON) in checkpoint folder `root`, None where there is none. Every field is checked
+    for its type and range, and the save it names must be a folder inside `root`: anything else is one
+    error line (never a traceback, nor a read outside the folder)."""
+    pointer = os.path.join(root, POINTER)
+    if not os.path.lexists(pointer):
+        return None
+    try:
+        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT),
+                           parse_constant=lambda name: {}[name])  # NaN and Infinity are not numbers here
+    except (OSError, ValueError, KeyError, RecursionError, MemoryError) as e:
+        fail(f"cannot read {pointer} ({type(e).__name__}: {str(e)[:80]})", "delete the folder to start afresh",
+             every_node=True)
+    bad = [k for k, kind in POINTER_FIELDS.items() if not isinstance(state, dict) or type(state.get(k)) is bool
+           or not isinstance(state.get(k), kind)]
+    if not bad:  # in range: counts are not negative, a step holds at least one window, names are ours
+        bad = [k for k in ("epoch", "step", "windows_in_epoch") if not 0 <= state[k] < 2 ** 48] + \
+              [k for k in ("global_batch", "world_size") if not 0 < state[k] <= 2 ** 24] + \
+              ["batch_size"] * (not 0 < state["batch_size"] <= state["global_batch"]) + \
+              ["folder"] * (not SAVE.fullmatch(state["folder"])) + \
+              ["job"] * (not isinstance(state.get("job"), (str, type(None)))) + \
+              ["text"] * (type(state.get("text", 0)) is not int) + \
+              ["schedule"] * (not (state.get("schedule") is None or type(state["schedule"]) is int
+                                   and 0 < state["schedule"] < 2 ** 48))
+    if bad:
+        fail(f"{pointer} is not a checkpoint pointer of this script ({', '.join(bad)} missing or out of range)",
+             "delete the folder to start afresh", every_node=True)
+    SaveFolder(root, state["folder"]).close()  # a folder in `root`, no link or mount: one line if not
+    return state
+
+
+def lock_checkpoint_folder(root):
+    """Global rank 0 holds an exclusive lock (fcntl.flock) on `root`/.lock while it runs, so a second run on
+    the same folder is refused in one line instead of deleting the first one's saves. The kernel drops
+    the lock when the process ends, however it ends: a crash or a kill leaves nothing stuck."""
+    if int(os.environ.get("RANK", "0")) != 0 or os.path.realpath(root) in LOCKED:  # before init_process_group too
+        return
+    os.makedirs(root, exist_ok=True)
+    try:  # as a save's files are opened: a link, a hard link or a FIFO planted as .lock is refused, not written
+        top = open_folder(root)
+        try:
+            fd, why = open_checked(LOCK, stat.S_ISREG, top,
+                                   os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        finally:
+            os.close(top)
+        if why:
+            raise OSError(f"{LOCK} is refused: {why}")
+    except OSError as e:
+        fail(f"cannot lock checkpoint folder {root} ({e})", "remove what is there, or pass another --checkpoint")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 16).decode(errors="replace").strip() or "?"
+        fail(f"checkpoint folder {root} is in use by another run (process {holder} holds {LOCK})",
+             "wait for that run to end, or pass another --checkpoint")
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    LOCKED[os.path.realpath(root)] = fd  # held open until this process exits
+
+
+def save_folder(root, step, committed):
+    """The folder of the save at `step`, never the one the pointer names (`committed`): a resumed run
+    that saves at its first step writes beside it, and the save that counts is deleted only once a newer
+    one is committed. Rank 0 removes a folder of that name a killed save left (a link planted there is
+    refused: the save would write wherever it points) and makes it anew."""
+    name, n = f"step-{step:08d}", 0
+    while name == committed:
+        n, name = n + 1, f"step-{step:08d}-{n + 1}"
+    path = os.path.join(root, name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if os.path.lexists(path) and not remove_save(root, name):
+            fail(f"{path} is a link or a file, or a folder this run does not delete (a mount, or a folder in it), "
+                 "where this save would write its folder", "remove it and resume")
+        try:
+            os.mkdir(path)  # here, so that every rank opens it before writing (save_tensors)
+        except OSError as e:
+            fail(f"cannot make {path} ({e.strerror}); {POINTER} still names the previous save",
+                 "free space on the disk or make the folder writable, then resume")
+    return name
+
+
+def commit_checkpoint(root, folder, state):
+    """Rank 0, once every rank's shards and the .metadata are on disk: flush the folder, point latest.json
+    at it, atomically and flushed (the save counts from here), then delete the saves before it. A pointer
+    that cannot be written (a full disk, a read-only folder) is one error line: the previous one is kept."""
+    with SaveFolder(root, folder) as save:  # still our folder, not a link or a FIFO put in its place
+        os.fsync(save.fd)  # the folder's entries (DCP flushed the files themselves)
+    pointer = {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID")}
+    try:  # atomic_write, not write_json: its failure is this save's, whose folder goes too
+        atomic_write(os.path.join(root, POINTER), lambda f: f.write(json.dumps(pointer, indent=2).encode()))
+    except OSError as e:
+        remove_save(root, folder)  # the space it holds: the disk may be full
+        fail(f"cannot write {os.path.join(root, POINTER)} ({e.strerror or e}); the save there is still {POINTER}'s "
+             "previous one", "free space on the disk or make the folder writable, then resume")
+    for name in os.listdir(root):
+        if SAVE.fullmatch(name) and name != folder:
+            remove_save(root, name)  # only our own folders: never a link's target or another mount
+
+
+def describe_checkpoint_folder(root):
+    """What a stopped run leaves in the checkpoint folder `root`, said as describe_checkpoint says it of a
+    file: the save its pointer names. Read leniently: Ctrl-C's line is no place for an error of its own."""
+    try:
+        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT))  # never a FIFO that would hang the line
+        path, where = os.path.join(root, str(state["folder"])), where_checkpoint_is(state)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "no checkpoint kept"
+    return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+
+
+def continue_checkpoint_folder(root, resume):
+    """The harness's continue_checkpoint for a checkpoint folder: whether this run continues the save that
+    `root`'s pointer names. Asked (--resume): yes, and no pointer is one error line. Unasked: only this
+    job's own, the job stamped in the pointer, told as continue_checkpoint tells it for a file (torchrun's
+    TORCHELASTIC_RUN_ID; where that is `none`, a restart count above 0). Any other is not continued or
+    overwritten without a word: one error line says what it holds, which run wrote it, and the ways on."""
+    state = read_pointer(root)
+    if state is None:
+        if resume:
+            fail(f"--resume but there is no checkpoint in {root} (no {POINTER})",
+                 "pass the --checkpoint DIR an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    job, run = state.get("job"), os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    ours = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if run == "none" else job == run
+    if resume or ours:
+        return True
+    fail(f"{root} holds a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+         + ("a run outside torchrun" if not job else "a torchrun job without --rdzv-id" if job == "none"
+            else f"torchrun job {job}") + f" at world size {state.get('world_size', '?')}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
+
+
+def check_checkpoint(args, state, corpus):
+    """The pointer `state` (JSON, checked field by field by read_pointer) must be for
+    this model and this text, and the save it names must list this model's tensors, each a tensor, in files
+    of that save's folder (its `.metadata` read as data: read_metadata); anything else is one clear error."""
+    text, _, vocab = corpus
+    if state["vocab"] != vocab:  # first: other text also changes vocab_size, a size the user did not pass
+        fail(f"checkpoint {args.checkpoint} was trained on other text ({plural(len(state['vocab']), 'symbol')}; "
+             f"this text has {len(vocab or '')})", "pass the same --data/--dataset as the run that wrote it")
+    if state.get("text", text_fingerprint(text)) != text_fingerprint(text):  # the same symbols, another text
+        fail(f"checkpoint {args.checkpoint} was trained on other text of the same {plural(len(vocab or ''), 'symbol')}"
+             " (its fingerprint differs)", "pass the same --data as the run that wrote it, or another --checkpoint "
+             "to start afresh")
     config = model_config(args, vocab)
-    memory = Memory(device, args.profile_memory)  # its peak counts from here
-    # the whole model from the seed on every rank, then sharded: the same weights at any world size
-    model = shard(Transformer(**config).to(device), device, args)  # PORT: your model
-    trainer = Trainer(model, (*build_data(args, text, vocab, device), vocab, config),
-                      make_optimizer(model, args), device, args, checkpoint, memory)
-    # after a torchrun restart each rank resumes if it finds the checkpoint: with node-local paths they
-    # could start at different steps and fall out of lockstep (gloo errors, NCCL hangs to the watchdog)
-    check_same_on_every_rank(trainer.step, "resume steps (0: not resumed)",
-                             "every rank must read the same checkpoint: put --checkpoint on a file system every "
-                             "node sees, or copy the newest one to every node")
-    entropy = unigram_entropy(text) if vocab else None
-    describe(trainer, name, entropy)
-    by_steps = trainer.total < (args.epochs or math.inf) * trainer.steps_per_epoch  # which flag ends the run
-    say_if_nothing_left(args.checkpoint, *(("step", trainer.step, "--max_steps", trainer.total) if by_steps
-                                    else ("epoch", trainer.epochs_run, "--epochs", args.epochs)))
-    first_val = trainer.validate()
-    print0(f"validation loss {first_val:.4f} before training")
-    history, epochs = trainer.train()
-    val = trainer.validate()
-    # from here on nothing is gathered whole: the sample runs the sharded model, --export streams one
-    # parameter at a time to rank 0's CPU, and the replica check reads each rank's shards where they are
-    if args.sample and vocab:  # every rank runs the forwards (each block all-gathered in turn); rank 0 prints
-        text_out = generate(model, vocab, "\n" if "\n" in vocab else vocab[0], args.sample, args.seed)
-        print0(f"sample ({args.sample} characters):\n{text_out}")
-        model.reshard()  # the root keeps its weights gathered after a forward (reshard_after_forward=False)
-    if args.export:
-        export(model, {"config": config, "vocab": vocab}, args.export)
-    in_sync = replicas_in_sync(model, device)  # the shards tile the model; a fingerprint of them (harness)
-    trainer.memory.count(model, trainer.optimizer)  # the bytes, after everything: the peak is the whole run's
-    report(trainer, history, epochs, (first_val, val, entropy), in_sync, args)
-    return in_sync
+    differ = sorted(k for k in config if state["config"].get(k) != config[k])
+    if differ:
+        fail(f"checkpoint {args.checkpoint} has " + ", ".join(f"{k}={str(state['config'].get(k))[:20]}" for k in differ)
+             + " but this run has " + ", ".join(f"{k}={config[k]}" for k in differ),
+             "pass the same model sizes as the run that wrote it")
+    windows = len(build_data(args, text, vocab, "cpu")[0])  # what an epoch holds: the position must lie in it
+    # and a step takes no more than the epoch holds: each of a step's micro-batches runs a forward, empty or not
+    if state["windows_in_epoch"] >= windows or state["global_batch"] > windows:
+        fail(f"{os.path.join(args.checkpoint, POINTER)} is at window {state['windows_in_epoch']} of {windows}, "
+             f"with a global batch of {state['global_batch']}: not a place in this text's epoch",
+             "delete the folder to start afresh", every_node=True)
+    with torch.device("meta"):  # the shapes only: no memory for weights
+        shapes = Transformer(**config)  # PORT: your model
+    with SaveFolder(args.checkpoint, state["folder"]) as save:
+        check_tensors(save, shapes)
 
 
-def describe(trainer, name, entropy):
-    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long."""
-    args, model, world = trainer.args, trainer.model, dist.get_world_size()
-    print0(f"data: {name} | {trainer.config['vocab_size']} symbols | {len(trainer.train_set)} training and "
-           f"{len(trainer.val_set)} validation windows"
-           + (f" | unigram entropy {entropy:.3f} nats" if entropy is not None else ""))
+def describe(run, checkpoint):
+    """The `data:`, `model:` and start lines: what this run trains on, with what, for how long; what is left."""
+    args, model, world = run.args, run.model, dist.get_world_size()
+    if checkpoint is not None:
+        note_schedule(checkpoint.get("schedule"), run.schedule, run.step, args)
+    print0(f"data: {run.name} | {run.config['vocab_size']} symbols | {len(run.train_set)} training and "
+           f"{len(run.val_set)} validation windows"
+           + (f" | unigram entropy {run.entropy:.3f} nats" if run.entropy is not None else ""))
     print0(f"model: {sum(p.numel() for p in model.parameters())} parameters | "
            f"{flops_per_token(model, args.block_size) / 1e6:.2f} MFLOP per token | "
-           f"{plural(world, 'process')} on {trainer.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
-           f" | sharded: {len(model.layers)} blocks + root | {trainer.total} steps = "  # PORT: your blocks
-           f"{trainer.total / trainer.steps_per_epoch:.2f} epochs of {trainer.steps_per_epoch} steps "
+           f"{plural(world, 'process')} on {run.device.type} ({args.backend}) | amp {args.amp} | {args.optimizer}"
+           f" | sharded: {len(model.layers)} blocks + root | {run.total} steps = "  # PORT: your blocks
+           f"{run.total / run.steps_per_epoch:.2f} epochs of {run.steps_per_epoch} steps "
            f"of {plural(args.grad_accum, 'micro-batch')} x {plural(args.batch_size, 'window')} x "
            f"{plural(world, 'process')}")
-    peak = trainer.peak
-    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({trainer.peak_source})" if peak
-           else f"note: no MFU: {trainer.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
+    peak = run.meter.peak
+    print0(f"MFU against {world} x {peak / world / 1e12:g} TFLOP/s ({run.meter.peak_source})" if peak
+           else f"note: no MFU: {run.meter.peak_source} (pass --peak_tflops: one device's peak dense TFLOP/s "
                 f"at this precision)")
-    print0(f"resuming from {args.checkpoint} at epoch {trainer.epochs_run}, step {trainer.step}, window "
-           f"{trainer.windows_in_epoch} of {len(trainer.train_set)} in the epoch's order"
+    print0(f"resuming from {args.checkpoint} at epoch {run.epoch}, step {run.step}, window "
+           f"{run.windows_in_epoch} of {len(run.train_set)} in the epoch's order"
            if args.resume else "starting from scratch")
+    by_steps = run.total < (args.epochs or math.inf) * run.steps_per_epoch  # which flag ends the run
+    say_if_nothing_left(args.checkpoint, *(("step", run.step, "--max_steps", run.total) if by_steps
+                                           else ("epoch", run.epoch, "--epochs", args.epochs)))
 
 
-def report(trainer, history, epochs, losses, in_sync, args):
+def report(run, vals, in_sync):
     """Rank 0 prints the validation loss and throughput, writes the metrics (--metrics), prints `done:`."""
-    first_val, val, entropy = losses
-    clock, fpt = trainer.clock, trainer.clock.flops_per_token
-    tokens_per_s, peak = clock.rate((0.0, 0), clock.reading())[0], clock.peak  # (the clock is stopped)
+    (first_val, val), args, meter, history, steps = vals, run.args, run.meter, run.losses, run.meter.steps
+    tokens_per_s, fpt = meter.rate((0.0, 0), meter.reading())[0], meter.flops_per_token
+    saves = meter.left_out_s["checkpoint"]
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": trainer.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": trainer.load_s,
-        "epochs": epochs, "steps": trainer.steps, "steps_per_epoch": trainer.steps_per_epoch,
-        "max_steps": trainer.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-        "block_size": args.block_size, "elapsed_s": clock.reading()[0], "first_step_s": clock.first_step_s,
+        "device": run.device.type, "torch": torch.__version__, "amp": args.amp, "load_s": run.load_s,
+        "epochs": run.ended, "steps": steps, "steps_per_epoch": run.steps_per_epoch,
+        "max_steps": run.total, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+        "block_size": args.block_size, "elapsed_s": meter.reading()[0], "first_step_s": meter.first_step_s,
         "samples_per_s": tokens_per_s / args.block_size, "tokens_per_s": tokens_per_s,
-        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": peak,
-        "mfu": tokens_per_s * fpt / peak if peak else None, "peak_source": trainer.peak_source,
-        "global_batch": trainer.global_batch, "windows": trainer.windows, "lr_decay_steps": trainer.schedule,
-        "checkpoints": len(trainer.save_s),  # and the median seconds of one (rank 0 writes, all wait):
-        "checkpoint_s": sorted(trainer.save_s)[len(trainer.save_s) // 2] if trainer.save_s else None,
+        "flops_per_token": fpt, "flops_per_s": tokens_per_s * fpt, "peak_flops": meter.peak,
+        "mfu": tokens_per_s * fpt / meter.peak if meter.peak else None, "peak_source": meter.peak_source,
+        "global_batch": run.global_batch, "windows": run.windows, "lr_decay_steps": run.schedule,
+        "checkpoints": len(saves),  # and the median seconds of one (rank 0 writes, all wait):
+        "checkpoint_s": sorted(saves)[len(saves) // 2] if saves else None,
         "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
-        "losses": history, "step_losses": trainer.logged, "first_val_loss": first_val, "val_loss": val,
-        "unigram_entropy": entropy, "grad_norms": [None if n is None else n.item() for n in trainer.grad_norms],
-        "params": sum(p.numel() for p in trainer.model.parameters()), "replicas_in_sync": in_sync,
-        "resumed_from_epoch": trainer.epochs_run if args.resume else 0,
+        "losses": history, "step_losses": run.logged, "first_val_loss": first_val, "val_loss": val,
+        "unigram_entropy": run.entropy, "grad_norms": [None if n is None else n.item() for n in run.grad_norms],
+        "params": sum(p.numel() for p in run.model.parameters()), "replicas_in_sync": in_sync,
+        "resumed_from_epoch": run.epoch if args.resume else 0,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "throughput_excludes": clock.excludes + ", evaluation and checkpoints left out",
-        **trainer.memory.counted, "peak_memory_bytes": trainer.memory.peak(),
+        "throughput_excludes": meter.excludes + ", evaluation and checkpoints left out",
+        **meter.memory.counted, "peak_memory_bytes": meter.memory.peak(),
     }
     print0(f"validation loss {first_val:.4f} -> {val:.4f}")
-    if trainer.steps:  # a resumed run with nothing left to train has no speed to report
-        print0(f"throughput: {clock.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
+    if steps:  # a resumed run with nothing left to train has no speed to report
+        print0(f"throughput: {meter.rate_since((0.0, 0))} on {plural(summary['world_size'], 'process')} | "
                f"{tokens_per_s * fpt / 1e9:.2f} GFLOP/s (6 x parameters + attention) | first step "
-               f"{clock.first_step_s:.1f} s" + (" (compiling)" if clock.compiling else ""))
-    window = "the whole run" if trainer.device.type != "cpu" or args.profile_memory else "first two steps"
+               f"{meter.first_step_s:.1f} s")
+    window = "the whole run" if run.device.type != "cpu" or args.profile_memory else "first two steps"
     print0(f"peak memory (rank 0): {summary['peak_memory_bytes'] / 2**20:.1f} MiB of tensors ({window})")
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {summary['device']} "
-           f"({summary['backend']}) | torch {torch.__version__} | {plural(epochs, 'epoch')}, "
-           f"{plural(trainer.steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
-           f"{f'{tokens_per_s:.0f} tokens/s' if trainer.steps else 'nothing trained'} | "
+           f"({summary['backend']}) | torch {torch.__version__} | {plural(run.ended, 'epoch')}, "
+           f"{plural(steps, 'step')} | val loss {first_val:.4f} -> {val:.4f} | "
+           f"{f'{tokens_per_s:.0f} tokens/s' if steps else 'nothing trained'} | "
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
-def main():
-    """One process of the job; torchrun (or the user) describes the job in the environment."""
-    args = check_args(parse_args())
-    corpus = read_corpus(args)
-    args.fingerprint = text_fingerprint(corpus[0])  # stored in every save: other text is not continued
-    # a bad checkpoint is refused (one line) before any process group exists
-    checkpoint = read_checkpoint(args, corpus) if args.resume else None
-    if checkpoint is not None:  # its global batch at this world size (WORLD_SIZE: torchrun's, or plain python's 1)
-        keep_global_batch(args, checkpoint, int(os.environ.get("WORLD_SIZE", "1")))
-    prepare_rendezvous(args)  # plain `python`: a world of one; a hand-made launch: check the port
-    device = setup(args)
-    try:
-        with explained_failures(args.timeout, lambda: describe_checkpoint_folder(args.checkpoint)):
-            in_sync = train(device, args, corpus, checkpoint)
-    finally:
-        cleanup()
-    if not in_sync:
-        sys.exit(1)  # the replicas differ: DDP did not keep them identical
+def resolve_amp(amp, device):
+    """--amp for this device: `auto` is bf16 where the GPU computes it natively, else off (no fp16 here)."""
+    if device.type == "cpu":
+        # Measured on a 2-core AVX-512 CPU (d_model 128, 4 layers, 1 thread per process):
+        # bf16 autocast ran no faster than fp32 there, because the casts and the
+        # element-wise work it adds cost what the faster matmuls save, and it is far
+        # slower on CPUs without native bf16. So CPU trains in fp32 unless asked.
+        return "off" if amp == "auto" else amp
+    if amp == "auto":
+        # the device's own check without emulation (torch.cuda.is_bf16_supported(including_emulation=False)
+        # on CUDA): before Ampere bf16 is emulated, and fp32 is what is left (no fp16 here: see the docstring)
+        # agreed by every rank (a job over two kinds of GPU): a rank that gathered bf16 weights and one that
+        # gathered fp32 ones would run one all-gather with two sizes
+        native = torch.tensor([int(bf16_supported(device))], device=device)
+        dist.all_reduce(native, op=dist.ReduceOp.MIN)
+        return "bf16" if native.item() else "off"
+    if amp == "bf16" and not bf16_supported(device, emulated=True):
+        fail(f"this {device.type} device does not support bf16", "use --amp off", every_node=True)
+    return amp
+
+
+@torch.no_grad()
+def generate(model, vocab, prompt, count, seed):
+    """Sample `count` characters after `prompt` from the sharded model. Every rank runs the same forwards
+    (each all-gathers its blocks in turn, as in training); rank 0 draws each character and broadcasts it."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([[lookup[c] for c in prompt]], device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _ in range(count):
+        logits = model(ids[:, -model.max_len:])[0, -1].float()  # PORT: your model's context length
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).view(1, 1)
+        dist.broadcast(nxt, src=0)  # the ranks' logits may differ in the last bit: rank 0's draw is the one
+        ids = torch.cat([ids, nxt], dim=1)
+    model.train(was_training)
+    return "".join(vocab[i] for i in ids[0].tolist())
+
+
+def unigram_entropy(text):
+    """Entropy (nats per character) of the character frequencies: a model that ignores context."""
+    counts = torch.tensor([text.count(c) for c in sorted(set(text))], dtype=torch.float64)
+    p = counts / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+class NLPDataset(Dataset):
+    """The seed's toy data: `size` rows of `length` tokens, row i all equal to i."""
+
+    def __init__(self, size, length, device="cpu"):
+        self.data = torch.arange(size, device=device).unsqueeze(1).repeat(1, length)
+
+    def shift(self, offset):
+        """The training set's per-epoch grid (Windows.shift): one row per sample here, nothing to move."""
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        rows = self.data[torch.as_tensor(index, device=self.data.device)]
+        return rows[..., :-1], rows[..., 1:]
+
+
+def export(model, payload, path):
+    """--export: the whole model in one weights_only file, `model` (its state_dict) beside `payload`, which
+    ddp_transformer.py's Transformer loads as is. Streamed (cpu_offload): each tensor is all-gathered in
+    turn and kept only on rank 0, on its CPU; the other ranks keep nothing and no device holds the model whole."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        save_checkpoint({"model": weights, **payload}, path)
+        print0(f"exported the whole model to {path}", every_rank=True)
+    del weights
+
+
+def window_offset(seed, epoch, block):
+    """Where epoch `epoch`'s grid of training windows starts: a function of (seed, epoch) alone, so
+    every rank, any world size and a resumed run cut the same windows. The offsets of epochs
+    c*block to c*block + block - 1 are a permutation of 0 .. block - 1 (generator seeded by seed and c):
+    within `block` epochs every position of the text starts a window once. Epoch 0 starts at 0."""
+    def order(cycle):
+        return torch.randperm(block, generator=torch.Generator().manual_seed(seed * 1_000_003 + cycle))
+    cycle, place = divmod(epoch, block)
+    return int(order(cycle)[place] - order(0)[0]) % block  # all of one cycle's moved alike: still a permutation
 
 
 # =============================================================================
@@ -1999,13 +1547,25 @@ def main():
 # What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
+import enum
+import errno
 import inspect
+import io
 import multiprocessing
+import pathlib
+import pickle
+import pickletools
 import signal
 import socket
 import struct
 import threading
 import traceback
+import zipfile
+import torch.distributed.checkpoint.filesystem as _filesystem
+import torch.distributed.checkpoint.metadata as _metadata
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -2625,6 +2185,446 @@ def say_if_nothing_left(path, unit, reached, flag, target):
         print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
                f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
     return reached >= target
+
+
+# ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, by descriptor
+def open_folder(path):
+    """A descriptor of the folder `path` (the user's to name, through a link or not): what is in it is
+    opened by name in it (open_checked), never by a path walked again."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def mount_of(fd):
+    """(device, mount) of an open file or folder: a bind mount of another run's folder on the same file
+    system has that file system's device but a mount of its own (Linux's /proc/self/fdinfo; elsewhere the
+    device alone tells a mount)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+            mount = next((line.split()[1] for line in f if line.startswith("mnt_id:")), None)
+    except OSError:
+        mount = None
+    return os.fstat(fd).st_dev, mount
+
+
+def open_checked(name, kind, folder_fd, flags=os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY):
+    """(descriptor, "") of `name` in the open folder `folder_fd`, or (None, why it is refused). Opened once,
+    without following a link or waiting on a FIFO, and checked on the descriptor, so what is read from it
+    is what was checked whatever takes the name later: a plain file or folder (`kind`: stat.S_ISREG or
+    stat.S_ISDIR) on the folder's own mount (never into a bind mount), a file of one link (a hard link is
+    also a file of some other folder). A name with a separator or a NUL is refused unopened."""
+    if type(name) is not str or os.sep in name or "\0" in name or name in ("", ".", ".."):
+        return None, "it lies outside the checkpoint folder"
+    try:
+        fd = os.open(name, flags | (os.O_DIRECTORY if kind is stat.S_ISDIR else 0), 0o644, dir_fd=folder_fd)
+    except OSError as e:
+        return None, {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is a symbolic link or not a folder"
+                      }.get(e.errno, f"it cannot be opened ({e.strerror})")
+    found = os.fstat(fd)
+    why = "" if kind(found.st_mode) else "it is not a plain " + ("file" if kind is stat.S_ISREG else "folder")
+    if not why and mount_of(fd) != mount_of(folder_fd):
+        why = "it is another file system mounted there"
+    if not why and kind is stat.S_ISREG and found.st_nlink != 1:
+        why = f"it has {found.st_nlink} links (a hard link is a file of another folder too)"
+    if why:
+        os.close(fd)
+        return None, why
+    return fd, ""
+
+
+def opened_file(name, folder_fd):
+    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
+    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
+    if why:
+        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
+    return fd
+
+
+def read_bounded(name, folder_fd, limit):
+    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
+    on the descriptor first, then as many bytes from it."""
+    fd = opened_file(name, folder_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
+        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise ValueError("it shrank while it was read")
+    return data
+
+
+def read_file_in(root, name, limit):
+    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
+    top = open_folder(root)
+    try:
+        return read_bounded(name, top, limit)
+    finally:
+        os.close(top)
+
+
+class SaveFolder:
+    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
+    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
+    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
+    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
+
+    def __init__(self, root, name):
+        self.path = os.path.join(root, name)
+        try:
+            top = open_folder(root)
+        except OSError as e:
+            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
+                 every_node=True)
+        try:
+            self.fd, why = open_checked(name, stat.S_ISDIR, top)
+        finally:
+            os.close(top)
+        if why:
+            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
+                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
+
+    def size(self, name):
+        fd = opened_file(name, self.fd)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def close(self):
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def remove_save(root, name):
+    """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
+    is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
+    whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
+    try:
+        top = open_folder(root)
+        try:
+            fd, _ = open_checked(name, stat.S_ISDIR, top)
+            if fd is None:
+                return False
+            try:
+                for entry in os.listdir(fd):
+                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
+                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
+            return True
+        finally:
+            os.close(top)
+    except OSError:
+        return False
+
+
+def layout_named(name):
+    """torch.serialization._get_layout, for the two layouts a saved tensor has: any other name is refused."""
+    if name not in ("torch.strided", "torch.sparse_coo"):
+        raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not a tensor layout")
+    return getattr(torch, name.split(".")[1])
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: admit only the (module, name) pairs of ADMITTED, exactly, so a payload
+    (a __reduce__ naming any other callable, or a dotted name that walks from an admitted module to
+    `os.system`) is refused before it runs. Nothing dotted, no module admitted whole (a name like
+    `os.system` resolves through a module's imports); paths become pure paths (no I/O), and the layout
+    lookup is ours (layout_named)."""
+    ADMITTED = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
+                ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"):
+                pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+                ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
+                (_filesystem.__name__, "_StorageInfo"): _filesystem._StorageInfo}
+    ADMITTED.update({("torch", str(t).split(".")[1]): t for t in vars(torch).values() if isinstance(t, torch.dtype)})
+    ADMITTED.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(_metadata, n)})  # each in torch 2.7 and 2.14
+    # the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
+    OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+               "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+               "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "NONE", "NEWTRUE",
+               "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
+               "BINUNICODE", "SHORT_BINBYTES", "BINBYTES"}
+    LIMIT = 256 << 20  # bytes of a `.metadata`: DCP writes about 300 a tensor, so a million tensors fit
+
+    def find_class(self, module, name):
+        if (module, name) in self.ADMITTED:
+            return self.ADMITTED[(module, name)]
+        raise pickle.UnpicklingError(f"{str(module)[:60]}.{str(name)[:60]} is not part of a checkpoint's metadata")
+
+
+def scan_pickle(data):
+    """Refuse, before unpickling, what the unpickler would act on before find_class sees anything: an
+    opcode DCP never writes, a memo index (the unpickler grows its memo to it: 2^32 entries from 12
+    bytes) beyond the entries made so far, or a frame longer than the file; and (the harness's
+    check_pickle) work beyond linear in its size: 267 bytes of memo references to a tuple nested 64 deep
+    as a dict key hung the resume. MetadataIndex objects are its keys."""
+    check_pickle(data, object_keys=True)
+    memo = 0
+    for op, arg, _ in pickletools.genops(data):  # a length past the end of the file raises ValueError here
+        if op.name not in MetadataUnpickler.OPCODES:
+            raise pickle.UnpicklingError(f"opcode {op.name} is not used in a checkpoint's metadata")
+        if op.name in ("BINPUT", "LONG_BINPUT") and arg > memo or op.name in ("BINGET", "LONG_BINGET") and \
+                arg >= memo or op.name == "FRAME" and arg > len(data):
+            raise pickle.UnpicklingError(f"{op.name} {arg} claims more than the file holds")
+        memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
+
+
+def settable(obj, names):
+    """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
+    name: `names`, from described_names)."""
+    described = {}
+    for name in names:
+        with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
+            described[name] = getattr(obj, name)
+    return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
+
+
+def described_names(kind):
+    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
+    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
+    __class__ (an enum member's can be made another class, process-wide). A property without a setter
+    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
+    and its __flags__ (read-only) change with its caches."""
+    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
+            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
+
+
+def changed(before, now):
+    """The names whose value is not the one held before (an int or a str by value: some are made at each look)."""
+    return {k for k in before.keys() | now.keys() if k not in before or k not in now or before[k] is not now[k]
+            and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
+
+
+def put_back(obj, names, before):
+    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
+    attributes, described = before
+    now = settable(obj, names)
+    moved = changed(described, now[1])
+    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
+        setattr(obj, name, described[name])
+    if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
+        vars(obj).clear()
+        vars(obj).update(attributes)
+    else:  # a class's, changed through setattr alone
+        for k in changed(attributes, now[0]):
+            setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
+    return bool(moved or changed(attributes, now[0]))
+
+
+def unpickle_metadata(data):
+    """MetadataUnpickler on `data`, scanned first; what a setattr can change on the admitted objects and
+    enum members (settable) is checked afterwards, since a pickle's BUILD can set attributes on any object
+    it holds: a change is put back, then refused."""
+    scan_pickle(data)
+    held = list(MetadataUnpickler.ADMITTED.values())
+    held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
+    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
+    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
+    before = [settable(v, n) for v, n in zip(held, names)]
+    try:
+        return MetadataUnpickler(io.BytesIO(data)).load()
+    finally:
+        for obj, n, state in zip(held, names, before):
+            if put_back(obj, n, state):
+                raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
+
+
+def metadata_of(save):
+    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
+    raises what refuses it."""
+    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, MetadataUnpickler.LIMIT))
+    check_metadata(metadata, save)
+    return metadata
+
+
+def check_metadata(metadata, folder):
+    """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
+    with a code-running torch.load), chunks that tile their tensor (check_tiled), and every byte range
+    inside a plain file of this save (`folder`, a SaveFolder; relative_path: a name, never absolute or `..`)."""
+    md = _metadata
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
+            type(getattr(metadata, "storage_meta", None)) not in (md.StorageMeta, type(None)) or \
+            type(getattr(metadata, "planner_data", None)) not in (dict, type(None)):
+        raise ValueError("not a checkpoint's metadata")
+    for key, entry in entries.items():
+        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or \
+                type(getattr(entry, "properties", None)) is not md.TensorProperties or \
+                not isinstance(getattr(entry.properties, "dtype", None), torch.dtype) or \
+                type(getattr(entry, "size", None)) is not torch.Size or type(getattr(entry, "chunks", None)) is not list:
+            raise ValueError(f"entry {str(key)[:60]!r} is not a tensor's")
+        for chunk in entry.chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if type(chunk) is not md.ChunkStorageMetadata or type(offsets) is not torch.Size or \
+                    type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
+                    not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
+                raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
+        check_tiled(key, entry)
+    files = {}
+    storage = getattr(metadata, "storage_data", None)
+    for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
+        name, start, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if type(index) is not md.MetadataIndex or index.fqn not in entries or type(info) is not _filesystem._StorageInfo \
+                or type(name) is not str or type(start) is not int or type(length) is not int or \
+                getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
+            raise ValueError("its storage records are not a tensor file's byte ranges")
+        if name not in files:
+            files[name] = folder.size(name)
+        if start + length > files[name]:
+            raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
+
+
+def check_tiled(key, entry):
+    """The chunks of a saved tensor tile it, so that a resume sets every element: each chunk spans whole
+    rows (FSDP shards the first dimension, and every save this script writes is FSDP's), and the rows of the
+    chunks follow one another from the first to the last without a gap or an overlap. A gap resumed with
+    those rows left at their fresh initialization; sorting keeps the check at n log n for n chunks."""
+    if not entry.size:  # a 0-d tensor (AdamW's step): one chunk, the whole of it
+        if len(entry.chunks) != 1:
+            raise ValueError(f"{key[:60]!r} has {len(entry.chunks)} chunks; a 0-d tensor has one")
+        return
+    rows = []
+    for chunk in entry.chunks:
+        if 0 not in chunk.sizes and (tuple(chunk.offsets[1:]) != (0,) * (len(entry.size) - 1)
+                                     or chunk.sizes[1:] != entry.size[1:]):
+            raise ValueError(f"a chunk of {key[:60]!r} is not whole rows, as FSDP saves them")
+        rows += [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])] * (0 not in chunk.sizes)  # empty: no rows
+    rows.sort()
+    ends = [0] + [end for _, end in rows]
+    if [start for start, _ in rows] != ends[:-1] or ends[-1] != entry.size[0] and 0 not in entry.size:
+        raise ValueError(f"the chunks of {key[:60]!r} leave rows of it unsaved or save them twice")
+
+
+def check_tensor_record(data):
+    """One tensor as DCP stores it (a torch.save archive), checked before torch.load reads it: every zip
+    entry stored, adding up to no more than the record (torch.load would inflate a deflated entry), and
+    its pickle naming only what rebuilds a plain tensor. torch's weights_only allowlist admits more
+    (DTensor and DeviceMesh among it): what a tensor record may name is decided here, not there. The
+    harness's check_archive: the zip torch.load reads is the one checked (its end record agrees with
+    the entries: no second archive behind it), and its pickle is bounded."""
+    for op, arg, _ in pickletools.genops(check_archive(data)):
+        if op.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4") or op.name == "GLOBAL" and \
+                arg not in ("torch._utils _rebuild_tensor_v2", "collections OrderedDict") and \
+                not re.fullmatch(r"torch [A-Za-z0-9]+Storage", arg):
+            raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
+
+
+class SaveFiles(FileSystem):
+    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
+    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
+    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
+    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
+    and removed in the folder alone."""
+
+    def __init__(self, save):
+        super().__init__()
+        self.save = save
+
+    def name_of(self, path):
+        path = pathlib.Path(path)
+        if path.parent != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
+        return path.name
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        name = self.name_of(path)
+        if mode not in ("rb", "wb"):
+            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
+        fd = opened_file(name, self.save.fd) if mode == "rb" else \
+            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
+        with os.fdopen(fd, mode) as stream:
+            yield stream
+
+    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
+        if pathlib.Path(path) != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
+
+    def exists(self, path):
+        try:
+            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
+        except FileNotFoundError:
+            return False
+
+    def rm_file(self, path):
+        os.unlink(self.name_of(path), dir_fd=self.save.fd)
+
+    def rename(self, path, new_path):
+        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader over one save (a SaveFolder): read_metadata's unpickler and checks, every file
+    read from the descriptor that was checked (SaveFiles), and no entry read that is not a tensor (DCP
+    reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+
+    def __init__(self, save):
+        super().__init__(save.path)
+        self.fs, self.save = SaveFiles(save), save
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = metadata_of(self.save)  # refused before, refused again: a swap since
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file, sinfo):
+        """Each tensor's bytes, checked by check_tensor_record before DCP's torch.load reads them."""
+        data = super()._slice_file(file, sinfo).read()
+        check_tensor_record(data)
+        return io.BytesIO(data)
+
+    def read_data(self, plan, planner):
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise ValueError("a checkpoint entry is not a tensor")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
+            return super().read_data(plan, planner)
+
+
+class SafeWriter(FileSystemWriter):
+    """DCP's FileSystemWriter over one save (a SaveFolder), each file created in the folder's descriptor (SaveFiles)."""
+
+    def __init__(self, save):
+        super().__init__(save.path)
+        self.fs = SaveFiles(save)
+
+
+def failure_of(error):
+    """The line of an exception (DCP's gathers every rank's tracebacks) that says what failed."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()[-150:]
+
+
+def first_non_finite(tensors):
+    """The name of the first tensor of a loaded save (in the state dict's order) holding a NaN or an
+    infinity, on any rank (each looks at its own shards; they agree on the first), or None."""
+    named = list(leaves(tensors))
+    mine = next((i for i, (_, t) in enumerate(named)
+                 if not torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all()), len(named))
+    first = torch.tensor(mine, device=named[0][1].device if named else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    return named[first.item()][0] if first.item() < len(named) else None
+
+
+def leaves(tree, prefix=""):
+    """(dotted name, tensor) of each tensor in nested dicts, in order."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
 # ---- end of harness ----
 
 

@@ -5,7 +5,7 @@ or a correct resume where the input is harmless), and a marker file that exists 
 ran, or a file outside the checkpoint folder that must stay untouched. Everything runs in this
 process on a real save (torch.distributed.checkpoint writes it here, no process group needed) and
 calls the functions a resume calls: fsdp_transformer's read_pointer (through check_args),
-read_checkpoint, read_metadata and Trainer._load_checkpoint; the harness's load_checkpoint,
+read_checkpoint, read_metadata and Run.restore; the harness's load_checkpoint,
 atomic_write and continue_checkpoint. The fuzz test mutates the three files a resume reads, seeded;
 (slow) a sample of the mutations and the save-side attacks through real launches, and a save killed
 at several points.
@@ -57,11 +57,11 @@ def write_save(root, data, step=4):
     text, _, vocab = fsdp.read_corpus(args)
     config = fsdp.model_config(args, vocab)
     torch.manual_seed(0)
-    trainer = fsdp.Trainer.__new__(fsdp.Trainer)  # the Trainer's own save and load code, without FSDP
+    trainer = fsdp.Run.__new__(fsdp.Run)  # the Run's own save and load code, without FSDP
     trainer.model = fsdp.Transformer(**config)
     trainer.optimizer = fsdp.make_optimizer(trainer.model, args)
     folder = f"step-{step:08d}"
-    dcp.save(trainer._tensors()[0], storage_writer=FileSystemWriter(str(root / folder)))
+    dcp.save(trainer.tensors()[0], storage_writer=FileSystemWriter(str(root / folder)))
     pointer = {"config": config, "vocab": vocab, "text": fsdp.text_fingerprint(text), "epoch": 0, "step": step,
                "windows_in_epoch": 32, "global_batch": 8, "batch_size": 8, "folder": folder, "job": None,
                "world_size": 1}
@@ -91,16 +91,16 @@ def ck(pristine, tmp_path, monkeypatch):
 def resume(ck, *extra):
     """What `fsdp_transformer.py --resume` does with the checkpoint before training: check_args (which
     reads the pointer), read_checkpoint (the pointer's values, .metadata, the files it names) and the
-    Trainer's load (DCP reads the tensors through SafeReader). Returns the state it resumed."""
+    Run's restore (DCP reads the tensors through SafeReader). Returns the state it resumed."""
     args = fsdp.check_args(fsdp.parse_args([*TINY, "--data", str(ck.parent / "text.txt"), "--checkpoint", str(ck),
                                             "--resume", *extra]))
     corpus = fsdp.read_corpus(args)
     state = fsdp.read_checkpoint(args, corpus)
-    trainer = fsdp.Trainer.__new__(fsdp.Trainer)
+    trainer = fsdp.Run.__new__(fsdp.Run)
     trainer.args = args
     trainer.model = fsdp.Transformer(**fsdp.model_config(args, corpus[2]))
     trainer.optimizer = fsdp.make_optimizer(trainer.model, args)
-    trainer._load_checkpoint(state)
+    trainer.restore(state)
     return state
 
 
@@ -227,7 +227,7 @@ def test_deep_nesting_and_a_large_file_are_one_line(ck, capsys, monkeypatch):
     refused(lambda: resume(ck), capsys, "refused unread")
     path.write_bytes(b"\x80\x04" + b"(" * 100_000 + b".")
     refused(lambda: resume(ck), capsys, "refused unread")
-    monkeypatch.setattr(fsdp, "METADATA_LIMIT", 1000)  # the bound, checked before a byte is unpickled
+    monkeypatch.setattr(fsdp.MetadataUnpickler, "LIMIT", 1000)  # the bound, checked before a byte is unpickled
     path.write_bytes(original)
     refused(lambda: resume(ck), capsys, "refused unread", "at most")
 
@@ -1093,10 +1093,10 @@ import errno  # noqa: E402  (here: the tests above this section are another chan
 
 
 def tensors_of(model):
-    """What the Trainer saves of `model` and an AdamW over it."""
-    trainer = fsdp.Trainer.__new__(fsdp.Trainer)
+    """What the Run saves of `model` and an AdamW over it."""
+    trainer = fsdp.Run.__new__(fsdp.Run)
     trainer.model, trainer.optimizer = model, torch.optim.AdamW(model.parameters())
-    return trainer._tensors()[0]
+    return trainer.tensors()[0]
 
 
 def a_model(ck):

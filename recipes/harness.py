@@ -2,6 +2,7 @@
 its banner names. Edit here, then `python3 tools/sync_harness.py` copies into each script what it reaches."""
 import argparse
 import contextlib
+import enum
 import errno
 import gc
 import inspect
@@ -11,6 +12,7 @@ import logging
 import math
 import multiprocessing
 import os
+import pathlib
 import pickle
 import pickletools
 import re
@@ -22,12 +24,18 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import zipfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.filesystem as _filesystem
+import torch.distributed.checkpoint.metadata as _metadata
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -861,6 +869,446 @@ def note_world_change(state, steps_per_epoch, batch_size):
         print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
                f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
                f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+
+
+# ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, by descriptor
+def open_folder(path):
+    """A descriptor of the folder `path` (the user's to name, through a link or not): what is in it is
+    opened by name in it (open_checked), never by a path walked again."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def mount_of(fd):
+    """(device, mount) of an open file or folder: a bind mount of another run's folder on the same file
+    system has that file system's device but a mount of its own (Linux's /proc/self/fdinfo; elsewhere the
+    device alone tells a mount)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
+            mount = next((line.split()[1] for line in f if line.startswith("mnt_id:")), None)
+    except OSError:
+        mount = None
+    return os.fstat(fd).st_dev, mount
+
+
+def open_checked(name, kind, folder_fd, flags=os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY):
+    """(descriptor, "") of `name` in the open folder `folder_fd`, or (None, why it is refused). Opened once,
+    without following a link or waiting on a FIFO, and checked on the descriptor, so what is read from it
+    is what was checked whatever takes the name later: a plain file or folder (`kind`: stat.S_ISREG or
+    stat.S_ISDIR) on the folder's own mount (never into a bind mount), a file of one link (a hard link is
+    also a file of some other folder). A name with a separator or a NUL is refused unopened."""
+    if type(name) is not str or os.sep in name or "\0" in name or name in ("", ".", ".."):
+        return None, "it lies outside the checkpoint folder"
+    try:
+        fd = os.open(name, flags | (os.O_DIRECTORY if kind is stat.S_ISDIR else 0), 0o644, dir_fd=folder_fd)
+    except OSError as e:
+        return None, {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is a symbolic link or not a folder"
+                      }.get(e.errno, f"it cannot be opened ({e.strerror})")
+    found = os.fstat(fd)
+    why = "" if kind(found.st_mode) else "it is not a plain " + ("file" if kind is stat.S_ISREG else "folder")
+    if not why and mount_of(fd) != mount_of(folder_fd):
+        why = "it is another file system mounted there"
+    if not why and kind is stat.S_ISREG and found.st_nlink != 1:
+        why = f"it has {found.st_nlink} links (a hard link is a file of another folder too)"
+    if why:
+        os.close(fd)
+        return None, why
+    return fd, ""
+
+
+def opened_file(name, folder_fd):
+    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
+    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
+    if why:
+        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
+    return fd
+
+
+def read_bounded(name, folder_fd, limit):
+    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
+    on the descriptor first, then as many bytes from it."""
+    fd = opened_file(name, folder_fd)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
+        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise ValueError("it shrank while it was read")
+    return data
+
+
+def read_file_in(root, name, limit):
+    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
+    top = open_folder(root)
+    try:
+        return read_bounded(name, top, limit)
+    finally:
+        os.close(top)
+
+
+class SaveFolder:
+    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
+    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
+    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
+    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
+
+    def __init__(self, root, name):
+        self.path = os.path.join(root, name)
+        try:
+            top = open_folder(root)
+        except OSError as e:
+            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
+                 every_node=True)
+        try:
+            self.fd, why = open_checked(name, stat.S_ISDIR, top)
+        finally:
+            os.close(top)
+        if why:
+            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
+                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
+
+    def size(self, name):
+        fd = opened_file(name, self.fd)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def close(self):
+        os.close(self.fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def remove_save(root, name):
+    """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
+    is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
+    whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
+    try:
+        top = open_folder(root)
+        try:
+            fd, _ = open_checked(name, stat.S_ISDIR, top)
+            if fd is None:
+                return False
+            try:
+                for entry in os.listdir(fd):
+                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
+                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
+            return True
+        finally:
+            os.close(top)
+    except OSError:
+        return False
+
+
+def layout_named(name):
+    """torch.serialization._get_layout, for the two layouts a saved tensor has: any other name is refused."""
+    if name not in ("torch.strided", "torch.sparse_coo"):
+        raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not a tensor layout")
+    return getattr(torch, name.split(".")[1])
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: admit only the (module, name) pairs of ADMITTED, exactly, so a payload
+    (a __reduce__ naming any other callable, or a dotted name that walks from an admitted module to
+    `os.system`) is refused before it runs. Nothing dotted, no module admitted whole (a name like
+    `os.system` resolves through a module's imports); paths become pure paths (no I/O), and the layout
+    lookup is ours (layout_named)."""
+    ADMITTED = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
+                ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"):
+                pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+                ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
+                (_filesystem.__name__, "_StorageInfo"): _filesystem._StorageInfo}
+    ADMITTED.update({("torch", str(t).split(".")[1]): t for t in vars(torch).values() if isinstance(t, torch.dtype)})
+    ADMITTED.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
+        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(_metadata, n)})  # each in torch 2.7 and 2.14
+    # the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
+    OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
+               "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+               "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "NONE", "NEWTRUE",
+               "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
+               "BINUNICODE", "SHORT_BINBYTES", "BINBYTES"}
+    LIMIT = 256 << 20  # bytes of a `.metadata`: DCP writes about 300 a tensor, so a million tensors fit
+
+    def find_class(self, module, name):
+        if (module, name) in self.ADMITTED:
+            return self.ADMITTED[(module, name)]
+        raise pickle.UnpicklingError(f"{str(module)[:60]}.{str(name)[:60]} is not part of a checkpoint's metadata")
+
+
+def scan_pickle(data):
+    """Refuse, before unpickling, what the unpickler would act on before find_class sees anything: an
+    opcode DCP never writes, a memo index (the unpickler grows its memo to it: 2^32 entries from 12
+    bytes) beyond the entries made so far, or a frame longer than the file; and (the harness's
+    check_pickle) work beyond linear in its size: 267 bytes of memo references to a tuple nested 64 deep
+    as a dict key hung the resume. MetadataIndex objects are its keys."""
+    check_pickle(data, object_keys=True)
+    memo = 0
+    for op, arg, _ in pickletools.genops(data):  # a length past the end of the file raises ValueError here
+        if op.name not in MetadataUnpickler.OPCODES:
+            raise pickle.UnpicklingError(f"opcode {op.name} is not used in a checkpoint's metadata")
+        if op.name in ("BINPUT", "LONG_BINPUT") and arg > memo or op.name in ("BINGET", "LONG_BINGET") and \
+                arg >= memo or op.name == "FRAME" and arg > len(data):
+            raise pickle.UnpicklingError(f"{op.name} {arg} claims more than the file holds")
+        memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
+
+
+def settable(obj, names):
+    """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
+    name: `names`, from described_names)."""
+    described = {}
+    for name in names:
+        with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
+            described[name] = getattr(obj, name)
+    return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
+
+
+def described_names(kind):
+    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
+    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
+    __class__ (an enum member's can be made another class, process-wide). A property without a setter
+    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
+    and its __flags__ (read-only) change with its caches."""
+    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
+            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
+
+
+def changed(before, now):
+    """The names whose value is not the one held before (an int or a str by value: some are made at each look)."""
+    return {k for k in before.keys() | now.keys() if k not in before or k not in now or before[k] is not now[k]
+            and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
+
+
+def put_back(obj, names, before):
+    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
+    attributes, described = before
+    now = settable(obj, names)
+    moved = changed(described, now[1])
+    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
+        setattr(obj, name, described[name])
+    if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
+        vars(obj).clear()
+        vars(obj).update(attributes)
+    else:  # a class's, changed through setattr alone
+        for k in changed(attributes, now[0]):
+            setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
+    return bool(moved or changed(attributes, now[0]))
+
+
+def unpickle_metadata(data):
+    """MetadataUnpickler on `data`, scanned first; what a setattr can change on the admitted objects and
+    enum members (settable) is checked afterwards, since a pickle's BUILD can set attributes on any object
+    it holds: a change is put back, then refused."""
+    scan_pickle(data)
+    held = list(MetadataUnpickler.ADMITTED.values())
+    held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
+    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
+    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
+    before = [settable(v, n) for v, n in zip(held, names)]
+    try:
+        return MetadataUnpickler(io.BytesIO(data)).load()
+    finally:
+        for obj, n, state in zip(held, names, before):
+            if put_back(obj, n, state):
+                raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
+
+
+def metadata_of(save):
+    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
+    raises what refuses it."""
+    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, MetadataUnpickler.LIMIT))
+    check_metadata(metadata, save)
+    return metadata
+
+
+def check_metadata(metadata, folder):
+    """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
+    with a code-running torch.load), chunks that tile their tensor (check_tiled), and every byte range
+    inside a plain file of this save (`folder`, a SaveFolder; relative_path: a name, never absolute or `..`)."""
+    md = _metadata
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
+            type(getattr(metadata, "storage_meta", None)) not in (md.StorageMeta, type(None)) or \
+            type(getattr(metadata, "planner_data", None)) not in (dict, type(None)):
+        raise ValueError("not a checkpoint's metadata")
+    for key, entry in entries.items():
+        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or \
+                type(getattr(entry, "properties", None)) is not md.TensorProperties or \
+                not isinstance(getattr(entry.properties, "dtype", None), torch.dtype) or \
+                type(getattr(entry, "size", None)) is not torch.Size or type(getattr(entry, "chunks", None)) is not list:
+            raise ValueError(f"entry {str(key)[:60]!r} is not a tensor's")
+        for chunk in entry.chunks:
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if type(chunk) is not md.ChunkStorageMetadata or type(offsets) is not torch.Size or \
+                    type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
+                    not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
+                raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
+        check_tiled(key, entry)
+    files = {}
+    storage = getattr(metadata, "storage_data", None)
+    for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
+        name, start, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        if type(index) is not md.MetadataIndex or index.fqn not in entries or type(info) is not _filesystem._StorageInfo \
+                or type(name) is not str or type(start) is not int or type(length) is not int or \
+                getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
+            raise ValueError("its storage records are not a tensor file's byte ranges")
+        if name not in files:
+            files[name] = folder.size(name)
+        if start + length > files[name]:
+            raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
+
+
+def check_tiled(key, entry):
+    """The chunks of a saved tensor tile it, so that a resume sets every element: each chunk spans whole
+    rows (FSDP shards the first dimension, and every save this script writes is FSDP's), and the rows of the
+    chunks follow one another from the first to the last without a gap or an overlap. A gap resumed with
+    those rows left at their fresh initialization; sorting keeps the check at n log n for n chunks."""
+    if not entry.size:  # a 0-d tensor (AdamW's step): one chunk, the whole of it
+        if len(entry.chunks) != 1:
+            raise ValueError(f"{key[:60]!r} has {len(entry.chunks)} chunks; a 0-d tensor has one")
+        return
+    rows = []
+    for chunk in entry.chunks:
+        if 0 not in chunk.sizes and (tuple(chunk.offsets[1:]) != (0,) * (len(entry.size) - 1)
+                                     or chunk.sizes[1:] != entry.size[1:]):
+            raise ValueError(f"a chunk of {key[:60]!r} is not whole rows, as FSDP saves them")
+        rows += [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])] * (0 not in chunk.sizes)  # empty: no rows
+    rows.sort()
+    ends = [0] + [end for _, end in rows]
+    if [start for start, _ in rows] != ends[:-1] or ends[-1] != entry.size[0] and 0 not in entry.size:
+        raise ValueError(f"the chunks of {key[:60]!r} leave rows of it unsaved or save them twice")
+
+
+def check_tensor_record(data):
+    """One tensor as DCP stores it (a torch.save archive), checked before torch.load reads it: every zip
+    entry stored, adding up to no more than the record (torch.load would inflate a deflated entry), and
+    its pickle naming only what rebuilds a plain tensor. torch's weights_only allowlist admits more
+    (DTensor and DeviceMesh among it): what a tensor record may name is decided here, not there. The
+    harness's check_archive: the zip torch.load reads is the one checked (its end record agrees with
+    the entries: no second archive behind it), and its pickle is bounded."""
+    for op, arg, _ in pickletools.genops(check_archive(data)):
+        if op.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4") or op.name == "GLOBAL" and \
+                arg not in ("torch._utils _rebuild_tensor_v2", "collections OrderedDict") and \
+                not re.fullmatch(r"torch [A-Za-z0-9]+Storage", arg):
+            raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
+
+
+class SaveFiles(FileSystem):
+    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
+    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
+    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
+    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
+    and removed in the folder alone."""
+
+    def __init__(self, save):
+        super().__init__()
+        self.save = save
+
+    def name_of(self, path):
+        path = pathlib.Path(path)
+        if path.parent != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
+        return path.name
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        name = self.name_of(path)
+        if mode not in ("rb", "wb"):
+            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
+        fd = opened_file(name, self.save.fd) if mode == "rb" else \
+            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
+        with os.fdopen(fd, mode) as stream:
+            yield stream
+
+    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
+        if pathlib.Path(path) != pathlib.Path(self.save.path):
+            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
+
+    def exists(self, path):
+        try:
+            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
+        except FileNotFoundError:
+            return False
+
+    def rm_file(self, path):
+        os.unlink(self.name_of(path), dir_fd=self.save.fd)
+
+    def rename(self, path, new_path):
+        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader over one save (a SaveFolder): read_metadata's unpickler and checks, every file
+    read from the descriptor that was checked (SaveFiles), and no entry read that is not a tensor (DCP
+    reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+
+    def __init__(self, save):
+        super().__init__(save.path)
+        self.fs, self.save = SaveFiles(save), save
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = metadata_of(self.save)  # refused before, refused again: a swap since
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _slice_file(self, file, sinfo):
+        """Each tensor's bytes, checked by check_tensor_record before DCP's torch.load reads them."""
+        data = super()._slice_file(file, sinfo).read()
+        check_tensor_record(data)
+        return io.BytesIO(data)
+
+    def read_data(self, plan, planner):
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise ValueError("a checkpoint entry is not a tensor")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
+            return super().read_data(plan, planner)
+
+
+class SafeWriter(FileSystemWriter):
+    """DCP's FileSystemWriter over one save (a SaveFolder), each file created in the folder's descriptor (SaveFiles)."""
+
+    def __init__(self, save):
+        super().__init__(save.path)
+        self.fs = SaveFiles(save)
+
+
+def failure_of(error):
+    """The line of an exception (DCP's gathers every rank's tracebacks) that says what failed."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return next((line for key in ("Unsupported", "Error:") for line in lines if key in line), lines[-1]).strip()[-150:]
+
+
+def first_non_finite(tensors):
+    """The name of the first tensor of a loaded save (in the state dict's order) holding a NaN or an
+    infinity, on any rank (each looks at its own shards; they agree on the first), or None."""
+    named = list(leaves(tensors))
+    mine = next((i for i, (_, t) in enumerate(named)
+                 if not torch.isfinite(t.to_local() if hasattr(t, "to_local") else t).all()), len(named))
+    first = torch.tensor(mine, device=named[0][1].device if named else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    return named[first.item()][0] if first.item() < len(named) else None
+
+
+def leaves(tree, prefix=""):
+    """(dotted name, tensor) of each tensor in nested dicts, in order."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
 
 
 # ---- recipe: spawn (needs printing): the exits of mp.spawn's processes a user should see
