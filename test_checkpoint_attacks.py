@@ -875,12 +875,12 @@ def test_a_full_disk_or_read_only_folder_at_save_is_one_line_and_the_previous_ke
         return real(*args, **kwargs)
     real = getattr(os, "open" if where == "open" else "fsync")
     if where == "write":
-        monkeypatch.setattr(ddp_gpus, "open", lambda fd, mode="r", **kwargs: FilledUp(fd), raising=False)
+        monkeypatch.setattr(ddp_gpus_torchrun, "open", lambda fd, mode="r", **kwargs: FilledUp(fd), raising=False)
     else:
         monkeypatch.setattr(os, "open" if where == "open" else "fsync", broken)
-    refused(lambda: ddp_gpus_torchrun.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epochs_run": 2}, str(path)), capsys,
-            str(path), os.strerror(code), "previous file there is kept")
-    refused(lambda: ddp_gpus.write_json(str(tmp_path / "m.json"), {"a": 1} if where != "write" else {"a": "x" * 200}),
+    refused(lambda: ddp_gpus_torchrun.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epochs_run": 2}, str(path)),
+            capsys, str(path), os.strerror(code), "previous file there is kept")
+    refused(lambda: ddp_gpus_torchrun.write_json(str(tmp_path / "m.json"), {"a": 1} if where != "write" else {"a": "x" * 200}),
             capsys, "m.json")
     monkeypatch.undo()
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["ck.pt"]
