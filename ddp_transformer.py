@@ -51,7 +51,7 @@ checkpoints that resume mid-epoch at any world size (the place counted in window
 epoch's order: epoch_steps). Nearest sibling: ddp_gpus_torchrun.py (same launch and setup).
 Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
 does not teach (--time_budget and --preset, Muon, the seed's toy run, tokens/s, MFU and memory,
-resuming at another world size, the printed summary); then the harness, the same in every script.
+resuming at another world size, the printed summary); then the harness (each recipe as in every file).
 """
 
 # ---------------------------------------------------------------- imports

@@ -35,7 +35,7 @@ every rank the same number of batches). This file adds the unequal shards, Join 
 it does to gradients, and ZeroRedundancyOptimizer with its checkpoint. Beyond the lesson:
 the memory accounting (what ZeRO saves, in bytes). The robustness every script shares
 (errors, ports, timeouts, Ctrl-C, the replica check, checkpoint files) is in the harness
-block at the end of the file, the same in every script.
+block at the end of the file, each recipe as in every file.
 """
 
 # ---------------------------------------------------------------- imports

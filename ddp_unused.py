@@ -55,7 +55,7 @@ Launch:
 Nearest sibling: ddp_comm_hooks.py (copies trained side by side, a byte-counting comm hook);
 this file adds models DDP cannot train as they stand, and the fixes. Beyond the lesson: reading
 DDP's error text and the measurements; the robustness every script shares is in the harness block
-at the end of the file, the same in every script.
+at the end of the file, each recipe as in every file.
 """
 
 # ---------------------------------------------------------------- imports

@@ -58,7 +58,7 @@ The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 41
 test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
 Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
 does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
-at another world size, the printed summary); then the harness, the same in every script.
+at another world size, the printed summary); then the harness (each recipe as in every file).
 """
 
 # ---------------------------------------------------------------- imports
