@@ -717,7 +717,7 @@ def train(device, args, corpus, checkpoint):
                 break
             torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
             for group in run.optimizer.param_groups:  # the schedule's rate: by the step, or by the clock
-                group["lr"] = run.budget.lr() if args.time_budget else lr_at(run.step, run.schedule, args)
+                group["lr"] = run.budget.lr(by_steps=lr_at(run.step, run.schedule, args))
             micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
             step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
             loss_sum, tokens = train_step(run.ddp, run.optimizer, run.scaler, micro_batches, run.amp_context,
@@ -828,8 +828,9 @@ class TimeBudget:
         self.fraction = (self.spent - self.budget_from) / max(self.args.time_budget - self.budget_from, 1e-9)
         return self.spent >= self.args.time_budget
 
-    def lr(self):
-        return lr_at_fraction(self.fraction, self.args)
+    def lr(self, by_steps):
+        """The rate by the fraction of the budget spent; without a budget, `by_steps` (the step schedule's)."""
+        return lr_at_fraction(self.fraction, self.args) if self.args.time_budget else by_steps
 
     def where(self, step):
         """`120 (at 231/540 s)`: a run under --time_budget alone has no last step to count to."""
