@@ -1,0 +1,1218 @@
+"""Port your own training loop to DDP: a template with the parts every real loop has, each marked `# PORT`.
+
+Scenario: a small classifier (an MLP with dropout) learns the labels that a fixed random "teacher" network
+gives 4,096 random inputs; 1,001 more are held out and validated exactly (every one once, whatever the
+number of processes). Besides data, model and loss, what a port needs is here and marked: your own flags
+and their checks, the evaluation, the state a checkpoint must hold to continue exactly (a learning-rate
+schedule, a GradScaler, the step counter, a dict of your own), randomness that differs per rank, and a
+report of what the run measured.
+
+Launch:
+    torchrun --standalone --nproc-per-node=gpu ddp_template.py                        # every visible GPU
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_template.py --device cpu
+    python ddp_template.py --device cpu                                               # a world of one
+    torchrun --standalone --nproc-per-node=2 ddp_template.py --resume --epochs 10     # continue a run
+
+Port: `cp ddp_template.py mine.py`; `grep -n "# PORT" mine.py` lists the places to edit. Data, model and
+loss are the minimum; docs/porting.md walks the whole job (flags, validation, checkpoint contents, a model
+with state such as an LSTM, several models such as a GAN, dropout), one section per loop people have.
+Leave the harness (below its banner at the end) as it is: error lines, ports, Ctrl-C, the replica check,
+checkpoints read as data.
+"""
+
+# ---------------------------------------------------------------- imports
+import argparse
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, random_split
+
+AMP_DTYPES = {"off": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
+    p.add_argument("--epochs", type=int, default=5, metavar="N", help="epochs to train (a resumed run: in all)")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=64, metavar="N",
+                   help="samples per step, per process (the global batch is N x world size)")
+    p.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="AdamW's peak learning rate")
+    p.add_argument("--warmup_steps", "--warmup-steps", type=int, default=20, metavar="N",
+                   help="steps of linear warm-up; after them the rate halves every --lr_half_life steps")
+    p.add_argument("--lr_half_life", "--lr-half-life", type=float, default=200, metavar="STEPS",
+                   help="steps over which the learning rate halves after the warm-up")
+    p.add_argument("--clip", type=float, default=1.0, metavar="NORM", help="gradient norm clipping (0: off)")
+    p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="off",
+                   help="autocast: bf16 (CPUs and recent GPUs), fp16 (with a GradScaler), or off")
+    p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
+    p.add_argument("--workers", type=int, default=0, metavar="N", help="DataLoader worker processes per process")
+    p.add_argument("--checkpoint", metavar="PATH", help="checkpoint file, written every epoch",
+                   default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
+    p.add_argument("--resume", action="store_true", help="continue a checkpoint that another run wrote")
+    p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
+                   help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
+    p.add_argument("--backend", default="auto", metavar="auto|NAME",
+                   help="auto: the device's default (nccl on cuda, gloo on cpu, ...)")
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks before failing")
+    p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
+    add_own_args(p)
+    refuse_launcher_flags(argv)  # --nprocs, or torchrun's flags after the script's name: how to launch it
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Bad input is one line `error: what (fix)` and exit code 2, before any process group or training."""
+    check_positive(args, "epochs", "batch_size", "lr", "warmup_steps", "lr_half_life", "timeout")
+    check_folders(args.metrics, args.checkpoint)
+    resolve_device(args)
+    check_own_args(args)
+    args.resume = continue_checkpoint(args.checkpoint, args.resume)  # unasked: only this job's own (a restart)
+    return args
+
+
+def add_own_args(p):
+    """PORT (flags): your own flags."""
+    p.add_argument("--samples", type=int, default=4096, metavar="N", help="training samples")
+    p.add_argument("--val_samples", "--val-samples", type=int, default=1001, metavar="N", help="held-out samples")
+    p.add_argument("--hidden", type=int, default=128, metavar="N", help="width of the MLP's hidden layers")
+    p.add_argument("--dropout", type=float, default=0.1, metavar="P", help="dropout probability, in [0, 1)")
+
+
+def check_own_args(args):
+    """PORT (checks): your flags' checks. fail(what, fix) prints `error: what (fix)` once and exits with 2;
+    spelled(name) is the flag as the user typed it (--val-samples or --val_samples)."""
+    check_positive(args, "samples", "val_samples", "hidden")
+    if not 0 <= args.dropout < 1:
+        fail(f"{spelled('dropout')} must be in [0, 1), got {args.dropout}", "pass e.g. 0.1, or 0 for none")
+
+
+# ---------------------------------------------------------------- process group
+def setup(args):
+    """Join the process group; returns this process's device."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    use_cpu_threads(local_world_size)  # the cores split between this machine's processes
+    if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
+        device = torch.device(args.device, local_rank)
+        torch.accelerator.set_device_index(device)  # before any work on it: one GPU per process
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(args.backend, rank=rank, world_size=world_size,
+                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if args.backend == "nccl" else None)
+    return device
+
+
+def cleanup():
+    free_error_frames()  # DDP's reducer goes before the group it talks through
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- data
+class TeacherLabels(Dataset):
+    """`size` inputs of 32 random features, each labelled with the largest of 4 outputs of a fixed random map.
+
+    Built from a seeded generator, so every rank holds the same data set: the sampler shards indices, and
+    an index means the same sample on every rank only if the data does."""
+
+    def __init__(self, size, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 32, generator=g)
+        self.y = (self.x @ torch.randn(32, 4, generator=g)).argmax(dim=1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+def make_loaders(args, device):
+    """Training: a reshuffled 1/world of the data per rank. Validation: every held-out sample once."""
+    # PORT (data): your Dataset of (input, target) pairs, the same on every rank (seed it); a part is held out
+    dataset = TeacherLabels(args.samples + args.val_samples, seed=args.seed)
+    train_set, val_set = random_split(dataset, [len(dataset) - args.val_samples, args.val_samples],
+                                      generator=torch.Generator().manual_seed(args.seed))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if len(val_set) < world_size:  # a rank without a batch would skip the validation's collective
+        fail(f"{len(val_set)} validation samples for {world_size} processes", "hold out at least one per process")
+    common = {"batch_size": args.batch_size, "num_workers": args.workers, "pin_memory": device.type != "cpu",
+              "persistent_workers": args.workers > 0}
+    train_loader = DataLoader(train_set, sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed), **common)
+    # rank r of W validates samples r, r + W, ...: each exactly once. DistributedSampler would pad the set with
+    # duplicates up to a multiple of W: right for training, wrong for a metric.
+    val_loader = DataLoader(val_set, sampler=range(rank, len(val_set), world_size), **common)
+    return train_loader, val_loader
+
+
+# ---------------------------------------------------------------- model
+def build(args, device):
+    """The model on this process's device, its optimizer, learning-rate schedule and GradScaler."""
+    torch.manual_seed(args.seed)  # DDP hands rank 0's initial weights to every rank anyway
+    # PORT (model): your nn.Module, built on the CPU; the optimizer below takes its parameters
+    model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Dropout(args.dropout),
+                          nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Dropout(args.dropout),
+                          nn.Linear(args.hidden, 4))
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup, half_life = args.warmup_steps, args.lr_half_life  # the rate at a step: never the run's length
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 ** (max(0, step - warmup) / half_life))
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 has fp32's range
+    return model, optimizer, scheduler, scaler
+
+
+# ---------------------------------------------------------------- the loop
+def seed_this_rank(seed, epoch):
+    """Dropout masks and every other random draw differ between ranks (the same on all would repeat one
+    mask across the global batch), and an epoch draws the same whether the run was resumed or not."""
+    seed = hash((seed, epoch, dist.get_rank())) % 2 ** 63  # ints hash alike in every process
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+def train_one_epoch(model, loader, epoch, optimizer, scheduler, scaler, progress, args, device):
+    """One pass over this rank's shard: a step per batch. Returns [sum of per-sample losses, samples]."""
+    loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+    model.train()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # on the device: no host sync per step
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=AMP_DTYPES[args.amp], enabled=args.amp != "off"):
+            # PORT (loss): your loss of (output, target), a mean over this rank's batch
+            loss = F.cross_entropy(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP averages the gradients over the ranks here
+        if args.clip:  # on the averaged gradients: the same norm on every rank, so the replicas stay equal
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        progress["step"] += 1
+        totals += torch.stack([loss.detach().double() * len(targets), totals.new_tensor(len(targets))])
+    return totals
+
+
+@torch.no_grad()
+def evaluate(module, loader, args, device):
+    """The validation metrics over every held-out sample once, on every rank: sums and a count, all-reduced.
+    `module` is the model inside DDP: a forward through the wrapper can be a collective (it broadcasts
+    buffers), and this one needs none."""
+    module.eval()
+    sums, count = {}, torch.zeros((), dtype=torch.float64, device=device)
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=AMP_DTYPES[args.amp], enabled=args.amp != "off"):
+            outputs = module(inputs).float()
+        # PORT (evaluation): your metrics as sums over the batch, by name (each is divided by the count)
+        batch = {"val_loss": F.cross_entropy(outputs, targets, reduction="sum"),
+                 "val_accuracy": (outputs.argmax(dim=1) == targets).sum()}
+        sums = {name: sums.get(name, 0) + value.double() for name, value in batch.items()}
+        count += len(targets)
+    totals = torch.stack([*sums.values(), count])
+    dist.all_reduce(totals)  # one collective for all of them, after the loop
+    return {**{name: (total / totals[-1]).item() for name, total in zip(sums, totals)}, "val_samples": int(totals[-1])}
+
+
+def same_buffers(module):
+    """Rank 0's buffers (BatchNorm's statistics) on every rank: DDP broadcasts them before a training forward,
+    then each rank updates them with its own batch, so they end different. Validation and the checkpoint
+    then use the same ones. A no-op for a model without buffers."""
+    for buffer in module.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+# ---------------------------------------------------------------- checkpoint
+def save(model, optimizer, scheduler, scaler, progress, args):
+    """Rank 0 writes, atomically; every rank waits until the file is complete."""
+    if dist.get_rank() == 0:
+        # PORT (state): whatever your run needs to continue exactly; "progress" holds plain values only
+        save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                         "epoch": progress["epoch"], "step": progress["step"], "progress": progress},
+                        args.checkpoint)
+    dist.barrier()
+
+
+def resume(model, optimizer, scheduler, scaler, args, steps_per_epoch):
+    """The progress to continue from: the checkpoint's (--resume, or torchrun restarting this job), else a new one."""
+    progress = {"epoch": 0, "step": 0, "best_val_loss": None, "history": []}
+    if args.resume:  # the weights and the optimizer's state, checked and loaded; the rest as it was saved
+        state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scheduler", "scaler", "epoch", "step",
+                                                  "progress"), {"model": model}, {"optimizer": optimizer})
+        scheduler.load_state_dict(plain_state(args.checkpoint, "scheduler", state, scheduler.state_dict()))
+        if state["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}; fp16 now: it starts afresh
+            scaler.load_state_dict(plain_state(args.checkpoint, "scaler", state, scaler.state_dict()))
+        progress = plain_state(args.checkpoint, "progress", state, progress)
+        note_world_change(state, steps_per_epoch, args.batch_size)
+    # every rank starts at the same epoch, or they would train different steps and hang
+    check_same_on_every_rank(progress["epoch"], "checkpoint epochs (0: none)", "put the checkpoint where every node sees it")
+    return progress
+
+
+# ---------------------------------------------------------------- main
+def train(device, args):
+    """Data, model and DDP; trains epoch by epoch (validating and saving after each); True if the replicas agree."""
+    train_loader, val_loader = make_loaders(args, device)
+    model, optimizer, scheduler, scaler = build(args, device)
+    progress = resume(model, optimizer, scheduler, scaler, args, len(train_loader))
+    resumed_from = progress["epoch"]
+    say_if_nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
+    ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
+              process_group=ddp_group(args.timeout))  # DETAIL-safe: see the harness's ddp_group
+    print0(f"{plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | batch "
+           f"{args.batch_size} per process | {len(train_loader)} steps per epoch | epochs {progress['epoch']} -> {args.epochs}")
+    start = time.perf_counter()
+    for epoch in range(progress["epoch"], args.epochs):
+        seed_this_rank(args.seed, epoch)
+        epoch_start = time.perf_counter()
+        loss_sum, samples = train_one_epoch(ddp, train_loader, epoch, optimizer, scheduler, scaler, progress, args,
+                                            device).tolist()  # one host sync an epoch
+        seconds = time.perf_counter() - epoch_start
+        same_buffers(model)
+        val = evaluate(model, val_loader, args, device)
+        best = progress["best_val_loss"]
+        progress.update(epoch=epoch + 1, best_val_loss=val["val_loss"] if best is None else min(best, val["val_loss"]))
+        progress["history"].append({"epoch": epoch + 1, "loss": loss_sum / samples, "samples": samples,
+                                    "seconds": seconds, "lr": scheduler.get_last_lr()[0], **val})
+        save(model, optimizer, scheduler, scaler, progress, args)
+        print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | {measured(val)} | "
+               f"{samples / seconds:.0f} samples/s")
+    elapsed = time.perf_counter() - start
+    in_sync = replicas_in_sync(model, device)  # every parameter and buffer, bit for bit
+    report(progress, resumed_from, elapsed, in_sync, device, args)
+    return in_sync
+
+
+@record  # torchrun's report shows an uncaught exception's traceback as this rank's error
+def main():
+    args = check_args(parse_args())
+    prepare_rendezvous(args)  # one process of the job: torchrun set its RANK (plain `python`: a world of one)
+    device = setup(args)
+    try:
+        with explained_failures(args.timeout, lambda: describe_checkpoint(args.checkpoint)):
+            in_sync = train(device, args)
+    finally:
+        cleanup()
+    if not in_sync:
+        sys.exit(1)  # the replicas differ: replicas_in_sync said where
+
+
+# ---- beyond the lesson: the report, and the checks of a checkpoint's plain entries ----
+def report(progress, resumed_from, elapsed, in_sync, device, args):
+    """Rank 0 writes the metrics (--metrics) and prints the `done:` line: what the run measured (the losses of
+    every epoch, the resumed ones too; the speed of this run's)."""
+    run, trained = progress["history"], progress["history"][resumed_from:]
+    last = run[-1] if run else {}
+    summary = {
+        "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": device.type, "torch": torch.__version__, "amp": args.amp, "batch_size": args.batch_size,
+        "epochs": progress["epoch"], "steps": progress["step"], "elapsed_s": elapsed,
+        "samples_per_s": sum(h["samples"] for h in trained) / sum(h["seconds"] for h in trained) if trained else None,
+        "losses": [h["loss"] for h in run], "val_losses": [h["val_loss"] for h in run],
+        "first_loss": run[0]["loss"] if run else None, "final_loss": last.get("loss"),
+        **{name: value for name, value in last.items() if name.startswith("val_")},
+        "best_val_loss": progress["best_val_loss"],
+        "resumed_from_epoch": resumed_from, "replicas_in_sync": in_sync, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    }
+    if dist.get_rank() == 0 and args.metrics:
+        write_json(args.metrics, summary)
+    result = (f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | {measured(last)}" if trained
+              else f"nothing trained (resumed at epoch {resumed_from})")
+    print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
+           f"({summary['backend']}) | torch {torch.__version__} | epoch {summary['epochs']}, step {summary['steps']} | "
+           f"{result} | replicas {'in sync' if in_sync else 'DIFFER'}")
+
+
+def measured(record):
+    """`val_loss 0.1308 | val_accuracy 0.9431 | val_samples 1001`: the validation's figures in a record."""
+    return " | ".join(f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}"
+                      for name, value in record.items() if name.startswith("val_"))
+
+
+def plain_state(path, entry, state, ours):
+    """The checkpoint's `entry` if it is shaped as `ours` (the same keys, each value of the same kind), else one
+    error line: a scheduler's or GradScaler's load_state_dict takes any dict, and a wrong one fails steps later."""
+    def kind(value):  # None matches any kind: a value not set yet (a best loss before the first epoch)
+        return "number" if type(value) in (int, float) else None if value is None else type(value).__name__
+    theirs = state[entry]
+    if type(theirs) is not dict or set(theirs) != set(ours) or any(
+            None not in (kind(theirs[k]), kind(v)) and kind(theirs[k]) != kind(v) for k, v in ours.items()):
+        fail(f"{path} is not a checkpoint of this script: its {entry} entry is not this run's {entry}",
+             "delete it to start afresh, or point --checkpoint at one this script wrote", every_node=True)
+    return theirs
+
+
+# =============================================================================
+# ---- harness: recipes, each the same wherever it appears; not part of the lesson ----
+# What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
+# lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
+# =============================================================================
+import contextlib
+import errno
+import gc
+import io
+import json
+import math
+import multiprocessing
+import pickle
+import pickletools
+import re
+import signal
+import socket
+import stat
+import struct
+import threading
+import traceback
+import zipfile
+from torch.distributed.elastic.utils.distributed import get_free_port
+
+
+# ---- recipe: printing: one line in one write, on rank 0 only unless every_rank
+def print0(line, file=None, every_rank=False):
+    """In one write: under PYTHONUNBUFFERED=1 print() writes the newline apart, and ranks' lines interleave."""
+    if every_rank or (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        print(f"{line}\n", end="", file=file or sys.stdout, flush=True)
+
+
+def plural(count, noun):
+    return f"{count} {noun}" + ("" if count == 1 else "es" if noun.endswith(("s", "x", "sh", "tch")) else "s")
+
+
+# ---- recipe: errors (needs printing): bad input is one line `error: what (fix)` and exit code 2
+def fail(what, fix, every_rank=False, every_node=False):
+    """Said once: by rank 0 (the others wait to be stopped: one that left first would get rank 0 killed
+    before it said why); every_rank: by each (its device); every_node: by each machine's LOCAL_RANK 0 (its files)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
+        report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
+    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+    sys.exit(2)
+
+
+def report_error(line):
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
+    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
+    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    line = shown(line)
+    print0(line, sys.stderr, every_rank=True)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            stamp = str(int(time.time()) - 1)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+
+
+def shown(text):
+    """`text` with every character that is not printable (newlines, ESC and the other C0/C1 controls, DEL,
+    Unicode line separators, bidi overrides) written as repr writes it (`\\n`, `\\x1b`): shown, never obeyed."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+# ---- recipe: arguments (needs errors): help that states defaults, and checks before any process starts
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after each option's help, unless the help states it or there is none (None, False)."""
+
+    def _get_help_string(self, action):
+        said = "default" in (action.help or "").replace("'s default", "")
+        quiet = action.default is None or action.default is False  # `is`: 0 == False, and a default 0 is said
+        return action.help if said or quiet else super()._get_help_string(action)
+
+
+def refuse_launcher_flags(argv=None):
+    """mp.spawn's --nprocs, or torchrun's flags after the script's name: one line on how to launch it."""
+    script = os.path.basename(__file__)
+    for arg in map(str, sys.argv[1:] if argv is None else argv):
+        flag = arg.split("=")[0]
+        if flag == "--nprocs":
+            fail(f"{script} is launched by torchrun, which starts the processes; --nprocs is for the mp.spawn "
+                 "scripts", f"torchrun --standalone --nproc-per-node=N {script} ...")
+        if flag.replace("_", "-") in ("--nproc-per-node", "--nnodes", "--standalone", "--max-restarts"):
+            fail(f"{flag} is torchrun's flag, given to {script}",
+                 f"put it before the script's name: torchrun {arg} {script} ...")
+
+
+def check_positive(args, *names):
+    for name in (n for n in names if getattr(args, n) is not None and not getattr(args, n) > 0):
+        fail(f"{spelled(name)} must be positive, got {getattr(args, name)}", f"pass a {spelled(name)} above 0")
+
+
+def spelled(name):
+    for arg in sys.argv[1:]:
+        if arg.startswith("--") and arg.split("=")[0][2:].replace("-", "_") == name:
+            return arg.split("=")[0]
+    return f"--{name}"
+
+
+def check_folders(*paths):
+    """Output paths must lie in existing folders: found now, not after an hour of training."""
+    for path in (p for p in paths if p and not os.path.isdir(os.path.dirname(os.path.abspath(p)))):
+        fail(f"the folder of {path} does not exist", "create it first, or pass another path", every_node=True)
+
+
+# ---- recipe: device (needs errors, printing): the device, its backend, bf16, CPU threads
+def resolve_device(args, here=None):
+    """--device and --backend `auto` made concrete: torch.accelerator's device (`here`: take it to be of
+    that type), else the CPU, and torch's default backend there; a backend fits the types torch lists."""
+    here = here or getattr(torch.accelerator.current_accelerator(check_available=True), "type", "cpu")
+    args.device = kind = here if args.device == "auto" else args.device
+    if kind not in ("cpu", here):
+        fail(f"--device {kind} but " + (f"this machine's accelerator is {here}" if here != "cpu" else
+                                        "no GPU or other accelerator is visible"),
+             "use --device cpu" + (", or check CUDA_VISIBLE_DEVICES" if kind == "cuda" else " or auto"))
+    carries = dist.Backend.backend_capability  # backend -> the device types whose tensors it takes
+    try:
+        default = dist.get_default_backend_for_device(kind)
+    except (ValueError, RuntimeError):  # none registered for the type, or a type this torch cannot name
+        default = None
+    args.backend = default if args.backend == "auto" else args.backend
+    if args.backend is not None and args.backend not in carries:
+        fail(f"unknown backend {args.backend!r}", f"use --backend auto, or one of {', '.join(sorted(carries))}")
+    if args.backend is not None and kind in carries[args.backend]:
+        return args
+    if default is not None and kind in carries[default]:
+        fail(f"--backend {args.backend} does not carry {kind} tensors", f"use --backend auto: {default} on {kind}")
+    carried = f": {default}, its default there, carries only {' and '.join(carries[default])} tensors" if default else ""
+    fail(f"torch has no multi-process backend for {kind}{carried}",  # mps: torch names gloo, which takes no MPS tensors
+         "use --device cpu" + ("" if default or kind == "mps" else f", or install the package that adds {kind} to torch"))
+
+
+def use_cpu_threads(procs_on_this_machine):
+    """The cores split between the processes (oversubscribed, they halve throughput), unless OMP_NUM_THREADS says."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, cores // procs_on_this_machine))))
+    return torch.get_num_threads()
+
+
+# ---- recipe: rendezvous (needs errors): what init_process_group("env://") reads, for every launcher
+def prepare_rendezvous(args, spawning=False):
+    """spawning: mp.spawn's parent; else started by torchrun (it sets everything), `python -m
+    torch.distributed.launch` (--local-rank), by hand (RANK, WORLD_SIZE, MASTER_*), or plain `python`
+    (a world of one). A free port is picked only by the process that hosts the rendezvous."""
+    if getattr(args, "local_rank", None) is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    named = "LOCAL_RANK" in os.environ or "RANK" not in os.environ  # no RANK: plain `python`, a world of one
+    if not spawning:  # a hand-made launch that names no LOCAL_RANK: all its ranks on this machine
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        check_local_rank(args.device, named)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        if spawning or ("TORCHELASTIC_RUN_ID" not in os.environ and os.environ["RANK"] == "0"):  # it hosts the store
+            check_port_free(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    elif spawning or os.environ.get("WORLD_SIZE") == "1":
+        os.environ["MASTER_PORT"] = str(get_free_port())
+    else:
+        fail("MASTER_PORT is not set", "set MASTER_ADDR and MASTER_PORT for every process, or use torchrun")
+    if args.backend == "nccl":  # NCCL's watchdog aborts a stuck rank; its flight recorder first dumps the last
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # collectives: torchfrtrace /tmp -p nccl_trace_rank_
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+
+
+def check_local_rank(device, named, count=None):
+    """LOCAL_RANK picks one of this machine's `count` devices (named: the launcher set it; else it is RANK).
+    The module's own count: torch 2.7's torch.accelerator.device_count() raises without a driver."""
+    local_rank = int(os.environ["LOCAL_RANK"])
+    count = torch.get_device_module(device).device_count() if count is None else count
+    if device != "cpu" and local_rank >= count:
+        fail(f"LOCAL_RANK {local_rank} but only {count} {device} device(s) are visible" if named else
+             f"LOCAL_RANK is not set, and RANK {local_rank} is beyond this machine's {count} {device} device(s)",
+             f"start at most {count} processes per node, or use --device cpu" if named else
+             "set LOCAL_RANK for each process: its index among the processes on its machine", every_rank=True)
+
+
+def check_port_free(addr, port):
+    """Bound with SO_REUSEADDR, as the TCPStore binds: a port a finished run left in TIME_WAIT is free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, int(port)))
+        except OSError:
+            fail(f"MASTER_PORT {port} is already in use on {addr}",
+                 "unset MASTER_PORT to let the script pick a free port, or choose another")
+
+
+# ---- recipe: restart-safe store (needs errors): init_process_group(store=...) across torchrun's restarts
+def attempt_store(rank, world_size, timeout):
+    """Under torchrun, a namespace of its store for this attempt alone, else None. torchrun (2.5 on) keeps
+    one store across restarts: a restarted rank would read a dead attempt's keys (pytorch#135712). No
+    variable tells attempts apart on every node: the store numbers them. Not all joined in `timeout`: one line."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    deadline = time.monotonic() + timeout
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        attempt = open_attempt(store, world_size, deadline) if rank == 0 else join_attempt(store, rank, deadline)
+    except (TimeoutError, RuntimeError) as e:  # TimeoutError: who did not come; DistStoreError: no store
+        if rank <= 1:  # rank 1 speaks for the ranks that waited on rank 0
+            report_error("error: " + (f"{e} did not join this attempt's process group within --timeout {timeout:g} s "
+                                      "(frozen, or not started on its node; raise --timeout if starting takes longer)"
+                                      if isinstance(e, TimeoutError) else
+                                      f"torchrun's store did not answer ({str(e).strip().splitlines()[0][:100]})")
+                         + (f" [rank {rank}]" if rank else ""))
+        time.sleep(0 if rank <= 1 else 30)  # bounded; torchrun stops the others once rank 1 has exited
+        raise SystemExit(1) from None
+    return dist.PrefixStore(f"harness/attempt/{attempt}", store)
+
+
+def open_attempt(store, world_size, deadline):
+    """Rank 0: open attempt n (an atomic add), answer every request with it until all joined n, else TimeoutError."""
+    attempt, answered, missing = store.add("harness/attempts", 1), {}, set(range(1, world_size))
+    while missing:
+        for r in sorted(missing):
+            asked = store.get(f"harness/ask/{r}") if store.check([f"harness/ask/{r}"]) else None
+            if asked is not None and answered.get(r) != asked:
+                store.set(f"harness/answer/{asked.decode()}", str(attempt))
+                answered[r] = asked
+            if store.check([f"harness/joined/{attempt}/{r}"]):
+                missing.discard(r)
+        if missing and time.monotonic() > deadline:
+            raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, sorted(missing)))}")
+        time.sleep(0.05 if missing else 0)
+    return attempt
+
+
+def join_attempt(store, rank, deadline):
+    """Another rank: ask under a nonce of its own, so it never reads an answer meant for a dead attempt."""
+    nonce = os.urandom(8).hex()
+    store.set(f"harness/ask/{rank}", nonce)
+    while not store.check([f"harness/answer/{nonce}"]):  # polled: a timed-out wait logs C++ warnings
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0")
+        time.sleep(0.05)
+    attempt = int(store.get(f"harness/answer/{nonce}"))
+    store.set(f"harness/joined/{attempt}/{rank}", "1")
+    return attempt
+
+
+# ---- recipe: failures (needs errors, printing): Ctrl-C and a failed collective as one line each
+@contextlib.contextmanager
+def explained_failures(timeout, kept=None):
+    """A failed gloo collective: explain_collective_failure's line (NCCL's watchdog aborts first), ending with
+    kept(): what a rerun resumes from. Ctrl-C: rank 0 says `interrupted (...)`, all leave at once with 130
+    (no clean shutdown: with the peers gone, releasing DDP's reducer can wait on them for seconds)."""
+    health = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout)) if dist.get_backend() == "gloo" else None
+    kept = kept or (lambda: "no checkpoint kept")
+    interrupted = stop_on_interrupt(kept)
+    try:
+        yield
+    except (KeyboardInterrupt, RuntimeError) as error:
+        # Ctrl-C reaches the processes one by one: a peer that stopped first can fail our collective before
+        # our own SIGINT is seen, so wait a moment for it before explaining the failure
+        time.sleep(0 if interrupted["sigint"] or isinstance(error, KeyboardInterrupt) else 0.5)
+        if interrupted["sigint"] or isinstance(error, KeyboardInterrupt):
+            if not interrupted["said"]:
+                print0(f"interrupted (Ctrl-C): {kept()}")
+            sys.stderr.flush()
+            os._exit(130)
+        line = explain_collective_failure(error, health, timeout) if health is not None else None
+        if line is None:
+            raise
+        if line:
+            report_error(f"error: {line}; {kept()} [rank {dist.get_rank()}]")
+        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
+        raise SystemExit(1) from None
+
+
+def stop_on_interrupt(kept):
+    """{"sigint": True once Ctrl-C came, "said": True once rank 0 said kept()}: said at once, before a peer or
+    the launcher ends this process, then KeyboardInterrupt; where an error is already on its way, the
+    signal comes again 0.2 s later instead, in case that error is caught. Later SIGINTs are ignored."""
+    interrupted = {"sigint": False, "said": False}
+
+    def on_sigint(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # none inside this one (mp.spawn's parent signals again)
+        if not interrupted["sigint"] and (not dist.is_initialized() or dist.get_rank() == 0):
+            with contextlib.suppress(RuntimeError):  # it cut into a write to stdout: explained_failures says it
+                print0(f"interrupted (Ctrl-C): {kept()}")
+                interrupted["said"] = True
+        interrupted["sigint"] = True
+        if sys.exc_info()[1] is None:
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_sigint)
+        again = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        again.daemon = True
+        again.start()
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # a background job keeps ignoring it
+        signal.signal(signal.SIGINT, on_sigint)
+    return interrupted
+
+
+def explain_collective_failure(error, health, timeout):
+    """One line ("" where another rank says it, None: not a collective's failure). A timeout: a monitored
+    barrier over `health` names who did not arrive; all did: they called different collectives. A connection
+    closed: a peer was lost; the roll call through the store (it outlives gloo) says which."""
+    text, rank, wait = str(error), dist.get_rank(), min(timeout, 5)
+    roll_call()
+    if "Detected mismatch between collectives" in text:  # TORCH_DISTRIBUTED_DEBUG=DETAIL's check, on every rank
+        where = call_sites(error, health)  # a collective: every rank takes part
+        return f"the ranks called different collectives ({mismatch_of(text)}): {where}" if rank == 0 else ""
+    if "connection reset" in text.lower() or "connection closed" in text.lower():
+        answered = roll_call(wait)
+        lost = [r for r in range(dist.get_world_size()) if r not in (answered or [])]
+        if answered and (rank != min(answered) or not lost):  # none lost: the peer left after its own error
+            return ""
+        return (f"lost rank {', '.join(map(str, lost)) if answered else '0 (the host of the rendezvous store)'}: "
+                f"its connection closed mid-collective and it did not answer within {wait:g} s "
+                f"(it crashed, was killed, or its machine went away); at the time {call_sites(error)}")
+    if "timed out" not in text.lower():
+        return None
+    try:
+        dist.monitored_barrier(group=health, timeout=timedelta(seconds=wait), wait_all_ranks=True)
+    except RuntimeError as e:
+        return f"a collective waited longer than --timeout {timeout:g} s ({str(e).strip().splitlines()[0]})"
+    where = call_sites(error, health)
+    return (f"a collective waited longer than --timeout {timeout:g} s and every rank answered afterwards, so none "
+            f"was lost or frozen: the ranks called different collectives ({where}); to see where they parted: "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL, or a flight record (TORCH_FR_BUFFER_SIZE)") if rank == 0 else ""
+
+
+def mismatch_of(text):
+    """`rank 0 ALLREDUCE [4] Float vs rank 1 ALLREDUCE [3] Float, call 12 of the group, differing in ...`"""
+    sides = re.findall(r"Rank (\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                       r"OpType=(\w+)(?:, TensorShape=(\[[^\]]*\]))?(?:, TensorDtypes=([\w, ]+?)(?:,|\)))?", text)
+    described = " vs ".join(f"rank {r} {op}" + (f" {shape}" if shape else "") + (f" {dtype}" if dtype else "")
+                            for r, _, op, shape, dtype in sides)
+    differ = re.search(r"differ in the following aspects:\s*(.*)", text, flags=re.DOTALL)
+    aspects = " ".join(differ.group(1).replace("vs", " vs ").replace("Tensor Tensor", "tensor").split()) if differ else "?"
+    return f"{described}, call {sides[0][1] if sides else '?'} of the group, differing in {aspects}"
+
+
+def call_sites(error, health=None):
+    """"rank 0 in `dist.barrier()` (train.py:80 in save)": this file's innermost frame; with `health`, every rank's."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(__file__)]
+    every = [f"`{frames[-1].line.split('  #')[0]}` ({os.path.basename(__file__)}:{frames[-1].lineno} in {frames[-1].name})"
+             if frames else "an unknown call"]
+    if health is not None:
+        every = every * dist.get_world_size()
+        dist.all_gather_object(every, every[0], group=health)
+    ranks = {}
+    for r, site in enumerate(every):
+        ranks.setdefault(site, []).append(str(r if health is not None else dist.get_rank()))
+    return ", ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {site}" for site, rs in ranks.items())
+
+
+def roll_call(seconds=0.0):
+    """Answer through the rendezvous store; the ranks that answered within `seconds` (None: the store is gone)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"harness/answered/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{r}"
+                for r in range(dist.get_world_size())]
+        store.set(keys[dist.get_rank()], "1")
+        if seconds:
+            with contextlib.suppress(RuntimeError):  # DistStoreError: a rank that never answers, the one we look for
+                store.wait(keys, timedelta(seconds=seconds))
+        return [r for r, key in enumerate(keys) if store.check([key])]
+    except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
+        return None
+
+
+# ---- recipe: agreement (needs errors): the ranks must hold the same integer
+def check_same_on_every_rank(value, what, fix):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, int(value))  # on the device the backend carries (nccl: the current GPU)
+    if len(set(every)) > 1:
+        fail(f"the ranks' {what} differ: {every}", fix)
+
+
+# ---- recipe: ddp group: DETAIL
+def ddp_group(timeout=None):
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    try:
+        return dist.new_group(timeout=timedelta(seconds=timeout))
+    finally:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+
+
+# ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
+def free_error_frames(error=None):
+    """Else the process can abort at exit ("terminate called without an active exception"): the frames of
+    a failed run's whole error chain may hold the model. `error`: a caught one; by default the one in hand."""
+    error = error or sys.exc_info()[1]
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
+
+
+# ---- recipe: replica check (needs printing): every rank's parameters equal, bit for bit
+def replicas_in_sync(model, device):
+    """A parameter at a time, broadcast by its first holder, compared by torch.equal (sums can differ in the
+    last bit between GPUs, or coincide); a DTensor (FSDP2) across the ranks its mesh replicates it over, and
+    its shards must tile it. The fingerprint, sum(x * sin(i)) over the whole model, is the same sharded or not."""
+    same, base, whole = True, 0, 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
+    for p in (p.detach() for p in model.parameters()):
+        local, offsets, first, groups = p, (0,) * p.dim(), dist.get_rank() == 0, [None]  # all of p, on every rank
+        if hasattr(p, "device_mesh"):  # a DTensor: its mesh says who holds which part (its first chunk here)
+            replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
+            local, offsets = p.to_local(), tuple(p.__create_chunk_list__()[0].offsets)
+            first = all(p.device_mesh.get_coordinate()[i] == 0 for i in replicated)
+            groups = [p.device_mesh.get_group(i) for i in replicated]
+        for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
+            theirs = local.clone()
+            dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            same = same and torch.equal(theirs, local)
+        if first:
+            sums[0] += fingerprint_terms(local, offsets, p.shape, base)
+            sums[1] += local.numel()
+        base, whole = base + p.numel(), whole + p.numel()
+    dist.all_reduce(sums)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, same and int(sums[1].item()) == whole)  # the shards tile the model too
+    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict]
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
+           f"({plural(len(verdicts), 'rank')}, fingerprint {sums[0].item():.10e})")
+    return not differ
+
+
+def fingerprint_terms(local, offsets, shape, base, rows=4096):
+    """sum(x * sin(base + i)) over the block `local` at `offsets` of a tensor of `shape`, a few rows at a time."""
+    if local.dim() == 0:  # a scalar parameter: one row of one value
+        local, offsets, shape = local.reshape(1), (0,), (1,)
+    strides = torch.empty(shape, device="meta").stride()
+    inner = torch.zeros((), dtype=torch.float64, device=local.device)  # the index within a row, by broadcasting
+    for d in range(1, local.dim()):
+        inner = inner.unsqueeze(-1) + ((offsets[d] + torch.arange(local.shape[d], device=local.device)) * strides[d]).double()
+    total = torch.zeros((), dtype=torch.float64, device=local.device)
+    for start in range(0, local.shape[0], rows):
+        at = torch.arange(start, min(start + rows, local.shape[0]), device=local.device) + offsets[0]
+        index = (at.double() * strides[0] + base).view(-1, *(1,) * (local.dim() - 1)) + inner
+        total += (local[start:start + rows].double() * torch.sin(index)).sum()
+    return total
+
+
+# ---- recipe: atomic save (needs errors): a crash mid-write leaves the previous file whole
+def atomic_write(path, write):
+    """write(file) into a new file (O_EXCL: no planted link followed), flushed, renamed over `path`, folder flushed."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a killed write's leftover, or a planted link (removed, not followed)
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself
+        finally:
+            os.close(folder)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def write_or_fail(path, write):
+    """atomic_write, where a full disk or a read-only folder is one line by the rank that wrote (the previous
+    file stays whole): the run cannot save, and a traceback would hide which file and why."""
+    try:
+        atomic_write(path, write)
+    except (OSError, RuntimeError) as e:  # torch.save's writer turns a failed write into a RuntimeError
+        cause = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(cause, OSError):
+            raise
+        fail(f"cannot write {path} ({cause.strerror or cause})", "free space on its disk or make its folder "
+             "writable, then rerun; the previous file there is kept", every_rank=True)
+
+
+def write_json(path, record):
+    write_or_fail(path, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+
+def save_checkpoint(state, path):
+    """Atomically, stamped with its torchrun job (continue_checkpoint) and world size. On rank 0, then a barrier."""
+    stamp = {"job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    write_or_fail(path, lambda f: torch.save({**state, **stamp}, f))
+
+
+# ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
+def load_checkpoint(path, keys, model=None, optimizers=None):
+    """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
+    moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from what it checked.
+    `keys`: what it must hold; with `model`, loaded into it. One line per machine."""
+    try:
+        state = torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
+             f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
+             else "it is unreadable or truncated; delete it to start afresh", every_node=True)
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
+    valued = next((str(k) for k, v in state.items() if k not in ("model", "optimizer") and holds_tensor(v)), None)
+    if valued:  # where a value belongs, a tensor compares elementwise (10^9 from a 4-byte view), then is no bool
+        fail(f"{path} is not a checkpoint of this script: its {valued[:40]} holds a tensor",
+             "delete it, or point the script at one it wrote", every_node=True)
+    counts = [k for k in keys if k in ("epoch", "epochs_run", "step", "windows_in_epoch", "global_batch", "batch_size",
+                                       "world_size") and not (type(state[k]) is int and 0 <= state[k] < 2 ** 48)]
+    if counts:
+        fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
+             "delete it, or point the script at one it wrote", every_node=True)
+    models = model if isinstance(model, dict) else {"model": model}
+    for entry, module in models.items():
+        check_and_load_weights(path, {"model": state[entry]}, module)
+    for entry, opt in (optimizers or {}).items():
+        check_optimizer_state(path, state[entry], opt)
+        opt.load_state_dict(state[entry])
+    return state
+
+
+def holds_tensor(value):
+    """Whether a tensor lies anywhere in `value` (check_pickle bounded its nesting and its size)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return any(map(holds_tensor, value.values() if isinstance(value, dict) else value
+                   if isinstance(value, (list, tuple)) else ()))
+
+
+def read_checked(path, tensors=True):
+    """torch.save's zip at `path` for torch.load, written anew by repacked from the entries it checked, so torch
+    reads what was checked: read from one descriptor opened without following a link or waiting on a FIFO, of
+    a regular file with one link (fstat), so a file swapped in after the check is never read. tensors=False:
+    its tensors' records left empty and unread, for torch.load(map_location="meta") to read the counters in
+    bounded memory."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:  # ELOOP: a symbolic link (load_checkpoint says to pass the file it names)
+        raise OSError(errno.ELOOP, "a symbolic link, not followed") if e.errno == errno.ELOOP else e
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
+            raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
+        with open(fd, "rb", closefd=False) as f:
+            return repacked(f, tensors)[0]
+    finally:
+        os.close(fd)
+
+
+def repacked(f, tensors=True):
+    """(the zip in file `f` written anew from what zipfile read of it, its data.pkl) once it is torch.save's and
+    torch's reader of `f` would read the same: one central directory (central_directory), named as zipfile
+    found it; entries stored (none inflates), not encrypted, adding up to no more than the file, named once
+    (torch looks names up whatever their case) under one folder with a data.pkl, whose pickle is bounded
+    (check_pickle); else ValueError. tensors=False: the tensors' records (`data/N`) left empty, unread."""
+    count, directory_at = central_directory(f)
+    archive = zipfile.ZipFile(f)
+    entries, names = archive.infolist(), archive.namelist()
+    folder = names[0].split("/")[0] + "/" if names else "/"  # torch reads the records under the first entry's folder
+    if any(e.flag_bits & 1 or e.compress_type or e.compress_size != e.file_size for e in entries):
+        raise ValueError("its zip entries are compressed or encrypted; torch.save stores each")
+    if archive.start_dir != directory_at or len(entries) != count or sum(e.file_size for e in entries) > directory_at:
+        raise ValueError("its zip central directory is not the one its end record names, or its entries overlap")
+    if f"{folder}data.pkl" not in names or len({n.lower() for n in names}) < len(names) or \
+            not all(n.startswith(folder) for n in names):
+        raise ValueError("its zip is not torch.save's (no data.pkl, entries outside its folder or named twice)")
+    pickled = archive.read(f"{folder}data.pkl")  # read once: the bytes checked are the bytes written
+    check_pickle(pickled)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as fresh:
+        for name in names:
+            unread = not tensors and "/data/" in name.lower()
+            fresh.writestr(name, pickled if name == f"{folder}data.pkl" else b"" if unread else archive.read(name))
+    return out.getvalue(), pickled
+
+
+def central_directory(f):
+    """(entries, offset) of the central directory of the zip in file `f` as torch's reader takes them (the end
+    record's, or its zip64 twin's where saturated), once zipfile must take the same (it finds the end record by
+    its place): the end record last (no comment), its zip64 twin agreeing, the directory right before them."""
+    size = f.seek(0, 2)
+    f.seek(max(size - 98, 0))
+    tail = f.read()
+    end, locator = tail[-22:], tail[-42:-22] if size >= 98 else b""
+    if len(end) != 22 or end[:4] != b"PK\x05\x06":
+        raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
+    disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
+    edge = size - 22
+    if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
+        record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
+        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", tail[:56])
+        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
+        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
+                short not in (full, value) for short, full, value in
+                zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
+            raise ValueError("its zip64 end record disagrees with its end record")
+        (here, count, cd_size, cd_at), edge = wide, size - 98
+    if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
+        raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
+    return count, cd_at
+
+
+def check_pickle(data, object_keys=False):
+    """ValueError unless unpickling `data` (by any unpickler) is work about linear in its size. A dry run of
+    its stack, where each object weighs the nodes it stands for with memo references expanded (a BINGET
+    pushes the weight of what it names: a tuple of two references to the one below, 64 deep, is 2^64 nodes
+    in 335 bytes), against a few nodes a byte; nesting bounded; no object changed once referenced (its weight
+    would be stale); dict keys and set items small and of a kind whose hash no one can collide at scale: str
+    (hashed with a per-process secret), an int of 31 bits (150,000 ints k x (2^61 - 1) share one hash), and
+    with object_keys an object."""
+    limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
+    for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
+        floor = marks[-1] if marks else 0
+        if op.name == "MARK":
+            marks.append(len(stack))
+        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+            if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
+                raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
+            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
+            stack[-1][3] = True  # referenced: its weight is final
+        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
+            text = arg if isinstance(arg, str) else None
+            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
+                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
+            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+            index = len(memo) if op.name == "MEMOIZE" else arg
+            if len(stack) <= floor or index > len(memo):
+                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
+            memo[index:index + 1] = [stack[-1]]
+        elif op.name == "FRAME" and arg > len(data) - at:
+            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
+        elif op.name == "POP" and len(stack) == floor and marks:
+            marks.pop()
+        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
+            if made[0] > limit or made[1] > 100:
+                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
+                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
+            stack.append(made)
+
+
+def taken_off(op, at, stack, marks):
+    """The objects `op` takes off the stack, bottom first: down to its mark, with what it needs below that."""
+    names = [s.name for s in op.stack_before]
+    below = names.index("mark") if "mark" in names else len(names)
+    if "mark" in names and not marks:
+        raise ValueError(f"its pickle's {op.name} at byte {at} has no mark")
+    start = (marks.pop() if "mark" in names else len(stack)) - below
+    if start < (marks[-1] if marks else 0):
+        raise ValueError(f"its pickle's {op.name} at byte {at} finds too few objects")
+    taken = stack[start:]
+    del stack[start:]
+    return taken
+
+
+def folded(op, at, taken, object_keys):
+    """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
+    took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
+    fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
+    parts = taken[1:] if fills else taken
+    pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
+    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
+    if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
+                                       for k in keys):
+        raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
+    if fills and taken[0][3]:
+        raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
+    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
+            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
+            "builtins set", "builtins frozenset"):
+        raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
+    weight, depth = 0, 0
+    for cell in parts:
+        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
+    if fills:
+        taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
+        return taken[0]
+    if not op.stack_after:
+        return None
+    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
+    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
+
+
+def check_and_load_weights(path, state, model):
+    """"model" a dict of finite tensors by name (NaN weights would train on and end in a fingerprint of nan),
+    loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
+    an optimizer's state_dict (check_optimizer_state checks it against the optimizer that will load it)."""
+    theirs, optimizer = state["model"], state.get("optimizer", {})
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in theirs.items()):
+        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
+             "delete it, or point the script at one it wrote", every_node=True)
+    if not isinstance(optimizer, dict) or optimizer and not (
+            isinstance(optimizer.get("state"), dict) and all(isinstance(v, dict) for v in optimizer["state"].values())
+            and isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        fail(f"{path} is not a checkpoint of this script: its optimizer entry is not an optimizer's state",
+             "delete it, or point the script at one it wrote", every_node=True)
+    bad = next((k for k, v in theirs.items() if not finite_values(v)), None)
+    if bad is not None:
+        fail(f"{path} holds weights that are not finite values: {bad[:80]} (NaN, Inf, or a view past its storage)",
+             "resume from an earlier checkpoint of the run, or delete it to start afresh", every_node=True)
+    if model is not None:
+        meta = any(p.is_meta for p in model.parameters())  # shapes only: it takes the tensors, nothing to copy into
+        try:  # a copy to assign from: load_state_dict leaves assign=True in the dict's _metadata for the next load
+            model.load_state_dict(dict(theirs) if meta else theirs, assign=meta)
+        except RuntimeError as e:  # its text from the 7th word: "size mismatch for w: copying a param with shape ..."
+            why = re.sub(r"torch\.Size\(\[(.*?)\]\)", r"(\1)", " ".join(str(e).split()[6:]))
+            fail(f"{path} is for another model or configuration ({why[:200]})",
+                 "delete it, or use the configuration that wrote it", every_node=True)
+
+
+def finite_values(tensor):
+    """A plain tensor's values, all finite (NaN weights train on and end in a fingerprint of nan), checked in
+    a pass bounded by the file: no view claiming more than its storage (stride 0: 10^12 elements from 4 bytes)."""
+    plain = tensor.layout == torch.strided and not tensor.is_meta and not tensor.is_quantized
+    return plain and tensor.numel() * tensor.element_size() <= tensor.untyped_storage().nbytes() and \
+        bool(torch.isfinite(tensor).all())
+
+
+def check_optimizer_state(path, saved, optimizer, which="this optimizer", fix=None):
+    """Before optimizer.load_state_dict(saved): `saved` is the state this very optimizer writes, or one error
+    line. load_state_dict compares none of it, and the fused CPU AdamW wrote past an `exp_avg` of shape [1]
+    (a segfault). Its groups name exactly our parameters (the ids torch gives them, in order) and hold our
+    settings (those __setstate__ does not fill in) of their types; each parameter's state is empty (never
+    stepped) or holds the keys a step leaves (scratch_step), each a plain, contiguous, finite CPU tensor of its
+    parameter's shape and a floating dtype, `step` a 0-dim one (as torch and Muon write it) in [0, 2^48).
+    ZeroRedundancyOptimizer's consolidated state alike. `which` names the optimizer in the line, `fix` ends it."""
+    ours, params, keys = [], {}, {}
+    for group in optimizer.param_groups:  # ZeRO's too hold every parameter, not this rank's shard
+        ids = range(len(params), len(params) + len(group["params"]))
+        expected, required = scratch_step(optimizer, group) if group["params"] else (set(), set(group) - {"params"})
+        params.update(zip(ids, group["params"]))
+        keys.update(dict.fromkeys(ids, expected))
+        ours.append(({**group, "params": list(ids)}, required))
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if type(groups) is not list or type(state) is not dict or len(groups) != len(ours):
+        why = f"{len(groups) if type(groups) is list else 'no'} parameter groups, this optimizer has {len(ours)}"
+    elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine, required)
+             for g, (mine, required) in zip(groups, ours)):
+        why = "parameter groups that name other parameters, or lack settings, or hold them of another type"
+    else:
+        why = next((f"a state for parameter {str(i)[:20]} {wrong}" for i, entry in state.items()
+                    if (wrong := wrong_state(entry, params.get(i) if type(i) is int else None, keys.get(i)))), None)
+    if why:
+        fail(f"{path} holds another optimizer's state than {which}'s ({why})", fix or "resume with the optimizer "
+             "and model that wrote it, or delete it to start afresh", every_node=True)
+
+
+def scratch_step(optimizer, group):
+    """(The keys a step leaves in a parameter's state in `group`, the settings a saved group must hold): the
+    optimizer's class (ZeRO: the one it wraps) stepped once with the group's settings on zeros shaped as the
+    group's smallest parameter, then given a group of no settings (those its __setstate__ fills in are optional:
+    a checkpoint of an older torch lacks them)."""
+    probe = torch.zeros_like(min(group["params"], key=torch.numel), requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    scratch = type(getattr(optimizer, "optim", optimizer))([{**group, "params": [probe]}], lr=group["lr"])
+    scratch.step()
+    keys = set(scratch.state[probe])
+    scratch.__setstate__({"state": {}, "param_groups": [{"params": [probe]}]})
+    return keys, set(group) - set(scratch.param_groups[0])
+
+
+def same_settings(saved, ours, required):
+    """The saved group holds the `required` settings, and each that ours has too is of our setting's type (a
+    number for a number, a tuple of as many numbers for a tuple): a string lr or a 1-tuple of betas fails the step."""
+    def kind(value):
+        if type(value) in (int, float):
+            return "number" if math.isfinite(value) else "not finite"
+        return [kind(v) for v in value] if type(value) is tuple else type(value).__name__
+    return required <= set(saved) and all(kind(saved[k]) == kind(v) for k, v in ours.items()
+                                          if k != "params" and k in saved)
+
+
+def wrong_state(entry, param, keys):
+    """Why a parameter's saved state cannot be loaded into its optimizer for `param`, or None."""
+    if param is None or type(entry) is not dict:
+        return "for no parameter of this optimizer"
+    if entry and set(entry) != keys:
+        return f"holds {sorted(map(str, entry))[:4]}, a step of this optimizer {sorted(keys)}"
+    for key, value in entry.items():
+        plain = type(value) is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided \
+            and value.is_contiguous() and value.is_floating_point()
+        if key == "step" and not (plain and value.dim() == 0 and 0 <= value.item() < 2 ** 48):
+            return "has a step that is not a count in a 0-dim float tensor"
+        if key != "step" and not (plain and value.shape == param.shape):
+            return (f"has {str(key)[:20]} of shape {tuple(value.shape)}, its parameter {tuple(param.shape)}"
+                    if isinstance(value, torch.Tensor) else f"has {str(key)[:20]} that is not a tensor")
+        if not torch.isfinite(value).all():
+            return f"has {str(key)[:20]} that is not finite"
+    return None
+
+
+# ---- recipe: resume (needs safe load, errors, printing): continue a checkpoint only when it is ours
+def continue_checkpoint(path, resume):
+    """Asked (--resume): yes (none there: one line). Unasked: only this job's own, after torchrun restarted it
+    (a failure, a node joined or left): its --rdzv-id (TORCHELASTIC_RUN_ID) is stamped in (without one, "none",
+    only a restart count can tell). Another file is neither continued nor overwritten: one line says whose."""
+    if not path or not os.path.exists(path):
+        if resume:
+            fail(f"--resume but there is no checkpoint at {path}",
+                 "pass the --checkpoint PATH an earlier run wrote, or drop --resume", every_node=True)
+        return False
+    job, state = os.environ.get("TORCHELASTIC_RUN_ID", "none"), None
+    with contextlib.suppress(Exception):  # unreadable, or not a dict: not ours, and not ours to overwrite unasked
+        state = peek_checkpoint(path)
+    theirs = state.get("job") if isinstance(state, dict) else None
+    if resume or (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 if job == "none" else theirs == job):
+        return True
+    found = "a file that is not a checkpoint this script can read" if not isinstance(state, dict) else (
+        f"a checkpoint at {where_checkpoint_is(state) or 'an unknown point'} written by "
+        + ("a run outside torchrun" if not theirs else "a torchrun job without --rdzv-id" if theirs == "none"
+           else f"torchrun job {theirs}") + f" at world size {state.get('world_size', '?')}")
+    fail(f"{path} holds {found}, not this job's",
+         "pass --resume to continue it; to start afresh delete it or pass another --checkpoint", every_node=True)
+
+
+def describe_checkpoint(path):
+    """`checkpoint at epoch 2 kept in PATH` or `no checkpoint kept` (peek_checkpoint: the counter alone is read)."""
+    with contextlib.suppress(Exception):  # none, unreadable, cut short by the interrupt
+        state = peek_checkpoint(path)
+        where = where_checkpoint_is(state)
+        return f"checkpoint at {where} kept in {path}" if where else f"checkpoint kept in {path}"
+    return "no checkpoint kept"
+
+
+def peek_checkpoint(path):
+    """The checkpoint's counters and stamps, its tensors left unread (shapes on the meta device): the memory of
+    its small entries, however large the file; read and checked as load_checkpoint's (read_checked)."""
+    return torch.load(io.BytesIO(read_checked(path, tensors=False)), map_location="meta", weights_only=True)
+
+
+def where_checkpoint_is(state):
+    """`step 50` or `epoch 3`: how far the run that wrote `state` got ('' if it does not say)."""
+    return next((f"{unit} {state[key]}" for key, unit in (("step", "step"), ("epoch", "epoch"), ("epochs_run", "epoch"))
+                 if isinstance(state.get(key), int)), "")
+
+
+def say_if_nothing_left(path, unit, reached, flag, target):
+    """True, with one line, when the checkpoint at `unit` `reached` leaves nothing: `flag` ends the run at `target`."""
+    if reached >= target:
+        print0(f"nothing to train: {path} is at {unit} {reached} and {flag} {target} ends the run there "
+               f"(pass a larger {flag} to train on, or another --checkpoint to start afresh)")
+    return reached >= target
+
+
+def note_world_change(state, steps_per_epoch, batch_size):
+    """One line when a checkpoint of another world size is resumed: what changes and what does not."""
+    then, now = state.get("world_size"), dist.get_world_size()
+    if then is not None and then != now:
+        print0(f"note: resuming at world size {now} a checkpoint written at {then}: an epoch is now {steps_per_epoch} "
+               f"steps of {batch_size} samples x {plural(now, 'process')} (the batch per process stays, so the global "
+               f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
+# ---- end of harness ----
+
+
+if __name__ == "__main__":
+    main()
