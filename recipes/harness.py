@@ -105,7 +105,14 @@ def refuse_launcher_flags(argv=None):
 
 def check_positive(args, *names):
     for name in (n for n in names if getattr(args, n) is not None and not getattr(args, n) > 0):
-        fail(f"--{name} must be positive, got {getattr(args, name)}", f"pass a --{name} above 0")
+        fail(f"{spelled(name)} must be positive, got {getattr(args, name)}", f"pass a {spelled(name)} above 0")
+
+
+def spelled(name):
+    for arg in sys.argv[1:]:
+        if arg.startswith("--") and arg.split("=")[0][2:].replace("-", "_") == name:
+            return arg.split("=")[0]
+    return f"--{name}"
 
 
 def check_folders(*paths):
@@ -399,6 +406,17 @@ def check_same_on_every_rank(value, what, fix):
         fail(f"the ranks' {what} differ: {every}", fix)
 
 
+# ---- recipe: ddp group: DETAIL
+def ddp_group(timeout=None):
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)
+    try:
+        return dist.new_group(timeout=timedelta(seconds=timeout))
+    finally:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+
+
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
 def free_error_frames(error=None):
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
@@ -503,7 +521,7 @@ def save_checkpoint(state, path):
 
 
 # ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
-def load_checkpoint(path, keys, model=None):
+def load_checkpoint(path, keys, model=None, optimizers=None):
     """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
     moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from what it checked.
     `keys`: what it must hold; with `model`, loaded into it. One line per machine."""
@@ -528,8 +546,12 @@ def load_checkpoint(path, keys, model=None):
     if counts:
         fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
              "delete it, or point the script at one it wrote", every_node=True)
-    if "model" in keys:
-        check_and_load_weights(path, state, model)
+    models = model if isinstance(model, dict) else {"model": model}
+    for entry, module in models.items():
+        check_and_load_weights(path, {"model": state[entry]}, module)
+    for entry, opt in (optimizers or {}).items():
+        check_optimizer_state(path, state[entry], opt)
+        opt.load_state_dict(state[entry])
     return state
 
 
