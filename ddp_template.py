@@ -84,7 +84,7 @@ def add_own_args(p):
     """PORT (flags): your own flags."""
     p.add_argument("--samples", type=int, default=4096, metavar="N", help="training samples")
     p.add_argument("--val_samples", "--val-samples", type=int, default=1001, metavar="N", help="held-out samples")
-    p.add_argument("--hidden", type=int, default=128, metavar="N", help="width of the MLP's hidden layers")
+    p.add_argument("--hidden", type=int, default=128, metavar="N", help="width of the MLP's hidden layer")
     p.add_argument("--dropout", type=float, default=0.1, metavar="P", help="dropout probability, in [0, 1)")
 
 
@@ -160,10 +160,9 @@ def make_loaders(args, device):
 def build(args, device):
     """The model on this process's device, its optimizer, learning-rate schedule and GradScaler."""
     torch.manual_seed(args.seed)  # DDP hands rank 0's initial weights to every rank anyway
+    width, p = args.hidden, args.dropout
     # PORT (model): your nn.Module, built on the CPU; the optimizer below takes its parameters
-    model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Dropout(args.dropout),
-                          nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Dropout(args.dropout),
-                          nn.Linear(args.hidden, 4))
+    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Dropout(p), nn.Linear(width, 4))
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup, half_life = args.warmup_steps, args.lr_half_life  # the rate at a step: never the run's length
@@ -278,8 +277,9 @@ def train(device, args):
     for epoch in range(progress["epoch"], args.epochs):
         seed_this_rank(args.seed, epoch)
         epoch_start = time.perf_counter()
-        loss_sum, samples = train_one_epoch(ddp, train_loader, epoch, optimizer, scheduler, scaler, progress, args,
-                                            device).tolist()  # one host sync an epoch
+        totals = train_one_epoch(ddp, train_loader, epoch, optimizer, scheduler, scaler, progress, args, device)
+        dist.all_reduce(totals)  # the loss over every rank's samples, not rank 0's own
+        loss_sum, samples = totals.tolist()  # one host sync an epoch
         seconds = time.perf_counter() - epoch_start
         same_buffers(model)
         val = evaluate(model, val_loader, args, device)

@@ -140,7 +140,7 @@ PORTED = {
              "points = torch.randn(args.samples, 2, generator=g)",
              "dataset = torch.utils.data.TensorDataset(points, (points[:, 0] + 0.5 * points[:, 1] > 0).long())"],
     "model": ["model = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))"],
-    "loss": ["loss = F.cross_entropy(self.model(xs), ys)"],
+    "loss": ["loss = F.cross_entropy(model(inputs), targets)"],
 }
 
 
@@ -156,24 +156,25 @@ def port(source):
 
 
 def test_port_your_own_loop_as_the_readme_says(launch, torchrun, metrics, tmp_path):
-    """Copy ddp_gpus_torchrun.py to mine.py, swap data, model and loss at its marks, run it under torchrun
-    at 2 processes in a folder where the original's snapshot lies: it learns, the replicas agree, and
-    neither script's files disturb the other."""
+    """Copy ddp_template.py to mine.py, swap data, model and loss at its marks, run it under torchrun
+    at 2 processes in a folder where the original's checkpoint lies: it learns, validates, the replicas
+    agree, and neither script's files disturb the other."""
     mine = tmp_path / "mine.py"
-    mine.write_text(port((ROOT / "ddp_gpus_torchrun.py").read_text()))
-    # what `torchrun ... ddp_gpus_torchrun.py` leaves in the folder: its snapshot (another model)
-    original = tmp_path / "ddp_gpus_torchrun.pt"
+    mine.write_text(port((ROOT / "ddp_template.py").read_text()))
+    # what `torchrun ... ddp_template.py` leaves in the folder: its checkpoint (another model)
+    original = tmp_path / "ddp_template.pt"
     torch.save({"model": torch.nn.Linear(20, 1).state_dict(), "optimizer": {"state": {}, "param_groups": []},
-                "epochs_run": 5, "job": "an-earlier-job", "world_size": 2}, original)
+                "epoch": 5, "job": "an-earlier-job", "world_size": 2}, original)
     before = original.read_bytes()
-    r = launch([*torchrun, "--standalone", "--nproc-per-node=2", mine, "--device", "cpu", "--metrics", "m.json"],
-               timeout=180, env=cpu_env(OMP_NUM_THREADS=1))
+    r = launch([*torchrun, "--standalone", "--nproc-per-node=2", mine, "--device", "cpu", "--epochs", "3",
+                "--metrics", "m.json"], timeout=180, env=cpu_env(OMP_NUM_THREADS=1))
     m = metrics(tmp_path / "m.json")
     assert m["script"] == "mine.py" and m["world_size"] == 2 and m["resumed_from_epoch"] == 0, r
     assert m["final_loss"] < 0.5 * m["first_loss"] and m["final_loss"] < 0.25, m["losses"]
+    assert m["val_accuracy"] > 0.9 and m["val_samples"] == 1001, m  # the template's held-out part, each once
     assert m["replicas_in_sync"] and "replicas: in sync (2 ranks" in r.stdout, r
-    assert original.read_bytes() == before, "the original's snapshot was touched"
-    assert torch.load(tmp_path / "mine.pt", weights_only=True)["epochs_run"] == m["epochs"]
+    assert original.read_bytes() == before, "the original's checkpoint was touched"
+    assert torch.load(tmp_path / "mine.pt", weights_only=True)["epoch"] == m["epochs"] == 3
     assert "nan" not in r.stdout and "error" not in r.stderr, r
 
 

@@ -4,6 +4,7 @@ put into the copy as the guide says (a function of the same name replaced, a new
 CPU with gloo. Each port must learn, agree across replicas, and match its world-of-one run where the maths
 says it must. The template itself: flags, exact validation, exact resume, DETAIL."""
 import ast
+import math
 import json
 import re
 import sys
@@ -65,3 +66,141 @@ def write_port(tmp_path, *code, name="mine.py"):
 
 def read(path):
     return json.loads(Path(path).read_text())
+
+
+def fingerprint(out):
+    return re.search(r"replicas: in sync \(2 ranks, fingerprint (\S+)\)", out).group(1)
+
+
+# ---------------------------------------------------------------- the template itself
+def template(*args):
+    from conftest import torchrun_cmd
+    return [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", ROOT / "ddp_template.py", "--device", "cpu", *args]
+
+
+@pytest.fixture(scope="module")
+def template_runs(tmp_path_factory):
+    """Two launches of the template at 2 processes: 2 epochs under TORCH_DISTRIBUTED_DEBUG=DETAIL, then its
+    checkpoint resumed to 3."""
+    from conftest import cpu_env, run_bounded
+    work = tmp_path_factory.mktemp("template")
+    first = run_bounded(template("--epochs", "2", "--metrics", "first.json"), work, timeout=180,
+                        env=cpu_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    resumed = run_bounded(template("--epochs", "3", "--resume", "--metrics", "resumed.json"), work, timeout=180)
+    return work, first, resumed
+
+
+def test_template_learns_validates_exactly_and_survives_detail(template_runs):
+    work, first, resumed = template_runs
+    m = read(work / "resumed.json")
+    assert m["world_size"] == 2 and m["epochs"] == 3 and m["steps"] == 3 * 32, m  # 4096 / (64 x 2) steps an epoch
+    assert m["val_samples"] == 1001 and m["val_accuracy"] > 0.85 and m["val_loss"] < 0.5 * m["val_losses"][0], m
+    assert m["final_loss"] < 0.3 * m["first_loss"] and m["replicas_in_sync"], m
+    assert m["best_val_loss"] == min(m["val_losses"]), m
+    # DETAIL checks every collective; DDP's own group is the unchecked one (a checked one: SIGSEGV)
+    d = read(work / "first.json")
+    assert d["epochs"] == 2 and d["replicas_in_sync"] and "replicas: in sync (2 ranks" in first.stdout, first
+    for run in (first, resumed):
+        assert "Traceback" not in run.stderr and "error" not in run.stderr.lower().replace("error_file", ""), run
+
+
+def test_template_checkpoint_holds_the_whole_run(template_runs):
+    import torch
+    work, _, resumed = template_runs
+    r = read(work / "resumed.json")
+    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 96, resumed
+    assert len(r["losses"]) == 3 and r["losses"][:2] == read(work / "first.json")["losses"], r
+    state = torch.load(work / "ddp_template.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "progress", "job", "world_size"} <= set(state)
+    assert (state["epoch"], state["step"], state["world_size"]) == (3, 96, 2), state["progress"]
+    assert state["scheduler"]["last_epoch"] == 96 and len(state["progress"]["history"]) == 3
+
+
+@pytest.mark.slow  # a third launch; the default tier checks what the checkpoint holds
+def test_template_resumes_exactly(template_runs, launch, tmp_path):
+    """Stopped after epoch 2 and resumed to 3: the weights of the uninterrupted 3 epochs, bit for bit (the
+    sampler, the per-rank dropout seeds, the schedule and the optimizer all continue where they were)."""
+    work, _, resumed = template_runs
+    whole = launch(template("--epochs", "3", "--metrics", "whole.json"), timeout=180)
+    r, w = read(work / "resumed.json"), read(tmp_path / "whole.json")
+    assert fingerprint(resumed.stdout) == fingerprint(whole.stdout), (resumed, whole)
+    assert r["losses"] == w["losses"] and r["val_losses"] == w["val_losses"], (r, w)
+
+
+# ---------------------------------------------------------------- a model with state: the LSTM section
+def write_corpus(folder, seed=0):
+    """A small text with a grammar an LSTM can learn: `the (adjective) noun verb the (adjective) noun .`"""
+    import random
+    rng = random.Random(seed)
+    nouns, verbs = "cat dog bird fish horse mouse king queen child farmer".split(), "sees likes chases follows feeds finds".split()
+    adjectives = "big small red old young happy".split()
+
+    def phrase():
+        return ["the"] + ([rng.choice(adjectives)] if rng.random() < 0.5 else []) + [rng.choice(nouns)]
+
+    folder.mkdir()
+    for name, lines in (("train.txt", 400), ("valid.txt", 50)):
+        text = "\n".join(" ".join(" ".join(phrase() + [rng.choice(verbs)] + phrase() + ["."]) for _ in range(4))
+                         for _ in range(lines))
+        (folder / name).write_text(text + "\n")
+    return folder
+
+
+# the test's own instrument, not the guide's: each rank says its first draw after the epoch's reseed
+DRAWS = '''
+def seed_this_rank(seed, epoch):
+    seed = hash((seed, epoch, dist.get_rank())) % 2 ** 63
+    torch.manual_seed(seed)
+    random.seed(seed)
+    print0(f"draw of rank {dist.get_rank()} in epoch {epoch}: {torch.rand(()).item()!r}", every_rank=True)
+'''
+LSTM = ["--data", "corpus", "--bptt", "20", "--emsize", "32", "--nhid", "64", "--epochs", "2", "--dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def lstm_run(tmp_path_factory):
+    """The section's port at 2 processes of 10 columns each, under torchrun."""
+    from conftest import run_bounded, torchrun_cmd
+    work = tmp_path_factory.mktemp("lstm")
+    write_corpus(work / "corpus")
+    mine = write_port(work, *blocks("### A model with state: an LSTM language model (truncated BPTT)"), DRAWS)
+    two = run_bounded([*torchrun_cmd(), "--standalone", "--nproc-per-node=2", mine, "--device", "cpu", *LSTM,
+                       "--batch-size", "10", "--metrics", "two.json"], work, timeout=180)
+    return work, mine, two
+
+
+def test_lstm_port_learns(lstm_run):
+    work, _, two = lstm_run
+    m2 = read(work / "two.json")
+    assert "data: corpus | vocabulary 26 |" in two.stdout, two
+    assert m2["world_size"] == 2 and m2["replicas_in_sync"] and m2["val_ppl"] < 0.6 * math.exp(m2["val_losses"][0]), m2
+    assert m2["val_ppl"] < 9 and m2["val_tokens"] > 1400, m2  # 26 words: chance is a perplexity of 26
+
+
+@pytest.mark.slow  # a second launch; the default tier checks that the port learns
+def test_lstm_port_matches_its_world_of_one(lstm_run, launch):
+    """1 process of 20 columns reads the same columns as 2 of 10, and the averaged gradient is the same."""
+    from conftest import cpu_env
+    work, mine, _ = lstm_run
+    launch([sys.executable, mine, "--device", "cpu", *LSTM, "--batch-size", "20", "--checkpoint", "one.pt",
+            "--metrics", "one.json"], cwd=work, timeout=180, env=cpu_env(OMP_NUM_THREADS=1))
+    m2, m1 = read(work / "two.json"), read(work / "one.json")
+    assert m2["val_tokens"] == m1["val_tokens"], (m2, m1)
+    # the same model, up to the order of float sums
+    assert m2["val_losses"] == pytest.approx(m1["val_losses"], rel=1e-6), (m2, m1)
+    assert m2["losses"] == pytest.approx(m1["losses"], rel=1e-6), (m2, m1)
+
+
+def test_ranks_draw_differently(lstm_run):
+    """seed_this_rank: every rank its own draws (dropout masks, noise), each epoch new ones."""
+    _, _, two = lstm_run
+    draws = dict(re.findall(r"draw of rank (\d+ in epoch \d+): (\S+)", two.stdout))
+    assert set(draws) == {"0 in epoch 0", "1 in epoch 0", "0 in epoch 1", "1 in epoch 1"}, two
+    assert len(set(draws.values())) == 4, draws
+
+
+def test_lstm_port_refuses_a_mistyped_data_folder(lstm_run, launch):
+    work, mine, _ = lstm_run
+    r = launch([sys.executable, mine, "--device", "cpu", "--data", "corpu"], cwd=work, timeout=60, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: no train.txt in corpu (pass --data a folder holding train.txt and valid.txt)"], r
