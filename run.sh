@@ -110,6 +110,15 @@ run_torchrun-single() {
         && check_metrics m.json "m['world_size'] == 1" "m['final_loss'] < m['first_loss']"
 }
 
+extra_mode template "ddp_template.py: the porting template, 2 epochs with exact validation, then --resume to 3"
+run_template() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_template.py" --epochs 2 --metrics m.json \
+        && check_metrics m.json "m['val_samples'] == 1001" "m['val_loss'] < m['val_losses'][0]" \
+        && "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_template.py" --epochs 3 --resume \
+            --metrics m.json \
+        && check_metrics m.json "m['resumed_from_epoch'] == 2" "m['epochs'] == 3" "m['val_loss'] < m['val_losses'][0]"
+}
+
 mode launch "ddp_gpus_torchrun.py: the deprecated python -m torch.distributed.launch"
 run_launch() {
     # passes --local-rank=N to the script (which accepts it); prints a FutureWarning

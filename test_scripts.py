@@ -41,7 +41,7 @@ from ddp_transformer import Transformer
 RUN_SH_MODES = ["minimal", "spawn", "torchrun", "launch", "manual", "nodes", "restart",
                 "main", "main-torchrun", "transformer"]
 # run only when named: bench in test_dp_bench.py, the others in slow tests below
-RUN_SH_EXTRA = ["bench", "torchrun-single", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
+RUN_SH_EXTRA = ["bench", "torchrun-single", "template", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
                 "desync", "unused", "fsdp", "netns", "netns-elastic"]
 
 
@@ -434,7 +434,7 @@ def test_run_sh_feature_modes_pass(launch):
     """the MNIST hand-made launch (the default suite: run.sh's manual mode, the same launch of the linear
     model), resume and --evaluate, gradient accumulation, the seed's toy run, Join, ZeRO, comm hooks: each
     also has its own test (here, test_uneven.py, test_comm_hooks.py)."""
-    modes = ["torchrun-single", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
+    modes = ["torchrun-single", "template", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks"]
     r = launch(["bash", ROOT / "run.sh", *modes], timeout=600)
     assert f"{len(modes)} passed, 0 failed" in r.stdout, str(r)
 
