@@ -42,8 +42,9 @@ AMP_DTYPES = {"off": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float1
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
-    p.add_argument("--epochs", type=int, default=5, metavar="N", help="epochs to train (a resumed run: in all)")
-    p.add_argument("--batch_size", "--batch-size", type=int, default=64, metavar="N",
+    p.add_argument("--epochs", "--max_epochs", "-e", type=int, default=5, metavar="N",
+                   help="epochs to train (a resumed run: in all)")
+    p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=64, metavar="N",
                    help="samples per step, per process (the global batch is N x world size)")
     p.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="AdamW's peak learning rate")
     p.add_argument("--warmup_steps", "--warmup-steps", type=int, default=20, metavar="N",
@@ -58,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", metavar="PATH", help="checkpoint file, written every epoch",
                    default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
     p.add_argument("--resume", action="store_true", help="continue a checkpoint that another run wrote")
+    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # old launcher
     p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
@@ -267,7 +269,7 @@ def train(device, args):
     train_loader, val_loader = make_loaders(args, device)
     model, optimizer, scheduler, scaler = build(args, device)
     progress = resume(model, optimizer, scheduler, scaler, args, len(train_loader))
-    resumed_from = progress["epoch"]
+    resumed_from, steps_before = progress["epoch"], progress["step"]
     say_if_nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
     ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
               process_group=ddp_group(args.timeout))  # DETAIL-safe: see the harness's ddp_group
@@ -289,10 +291,10 @@ def train(device, args):
                                     "seconds": seconds, "lr": scheduler.get_last_lr()[0], **val})
         save(model, optimizer, scheduler, scaler, progress, args)
         print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | {measured(val)} | "
-               f"{samples / seconds:.0f} samples/s")
+               f"{samples / seconds:.0f} samples/s | {seconds:.1f} s")
     elapsed = time.perf_counter() - start
     in_sync = replicas_in_sync(model, device)  # every parameter and buffer, bit for bit
-    report(progress, resumed_from, elapsed, in_sync, device, args)
+    report(progress, resumed_from, progress["step"] - steps_before, len(train_loader), elapsed, in_sync, device, args)
     return in_sync
 
 
@@ -311,7 +313,7 @@ def main():
 
 
 # ---- beyond the lesson: the report, and the checks of a checkpoint's plain entries ----
-def report(progress, resumed_from, elapsed, in_sync, device, args):
+def report(progress, resumed_from, steps, steps_per_epoch, elapsed, in_sync, device, args):
     """Rank 0 writes the metrics (--metrics) and prints the `done:` line: what the run measured (the losses of
     every epoch, the resumed ones too; the speed of this run's)."""
     run, trained = progress["history"], progress["history"][resumed_from:]
@@ -319,7 +321,7 @@ def report(progress, resumed_from, elapsed, in_sync, device, args):
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": device.type, "torch": torch.__version__, "amp": args.amp, "batch_size": args.batch_size,
-        "epochs": progress["epoch"], "steps": progress["step"], "elapsed_s": elapsed,
+        "epochs": progress["epoch"], "steps": steps, "steps_per_epoch": steps_per_epoch, "elapsed_s": elapsed,
         "samples_per_s": sum(h["samples"] for h in trained) / sum(h["seconds"] for h in trained) if trained else None,
         "losses": [h["loss"] for h in run], "val_losses": [h["val_loss"] for h in run],
         "first_loss": run[0]["loss"] if run else None, "final_loss": last.get("loss"),
@@ -332,7 +334,7 @@ def report(progress, resumed_from, elapsed, in_sync, device, args):
     result = (f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} | {measured(last)}" if trained
               else f"nothing trained (resumed at epoch {resumed_from})")
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
-           f"({summary['backend']}) | torch {torch.__version__} | epoch {summary['epochs']}, step {summary['steps']} | "
+           f"({summary['backend']}) | torch {torch.__version__} | epoch {summary['epochs']}, step {progress['step']} | "
            f"{result} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 

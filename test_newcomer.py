@@ -23,6 +23,7 @@ TAKES = {
     "ddp_minimal.py": {"--device", "--nprocs"},
     "ddp_gpus.py": COMMON | {"--nprocs"},
     "ddp_gpus_torchrun.py": COMMON | {"--checkpoint", "--resume"},
+    "ddp_template.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_main.py": COMMON | {"--nprocs", "--checkpoint", "--resume"},
     "ddp_main_torchrun.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_transformer.py": COMMON | {"--checkpoint", "--resume"},
@@ -33,7 +34,7 @@ TAKES = {
     "ddp_desync.py": COMMON | {"--checkpoint", "--resume"},
     "dp_baseline.py": COMMON | {"--nprocs"},
 }
-TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
+TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_template.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
                     "ddp_comm_hooks.py", "ddp_unused.py", "ddp_desync.py", "fsdp_transformer.py")
 
 

@@ -93,7 +93,7 @@ def template_runs(tmp_path_factory):
 def test_template_learns_validates_exactly_and_survives_detail(template_runs):
     work, first, resumed = template_runs
     m = read(work / "resumed.json")
-    assert m["world_size"] == 2 and m["epochs"] == 3 and m["steps"] == 3 * 32, m  # 4096 / (64 x 2) steps an epoch
+    assert m["world_size"] == 2 and m["epochs"] == 3 and m["steps"] == 32 == m["steps_per_epoch"], m  # 4096 / (64 x 2)
     assert m["val_samples"] == 1001 and m["val_accuracy"] > 0.85 and m["val_loss"] < 0.5 * m["val_losses"][0], m
     assert m["final_loss"] < 0.3 * m["first_loss"] and m["replicas_in_sync"], m
     assert m["best_val_loss"] == min(m["val_losses"]), m
@@ -108,7 +108,8 @@ def test_template_checkpoint_holds_the_whole_run(template_runs):
     import torch
     work, _, resumed = template_runs
     r = read(work / "resumed.json")
-    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 96, resumed
+    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 32, resumed
+    assert r["steps_per_epoch"] == 32 and "epoch 3, step 96 |" in resumed.stdout, resumed
     assert len(r["losses"]) == 3 and r["losses"][:2] == read(work / "first.json")["losses"], r
     state = torch.load(work / "ddp_template.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "progress", "job", "world_size"} <= set(state)
