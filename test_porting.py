@@ -73,29 +73,40 @@ def fingerprint(out):
 
 
 # ---------------------------------------------------------------- the template itself
-def template(*args):
+def template(mine, *args):
     from conftest import torchrun_cmd
-    return [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", ROOT / "ddp_template.py", "--device", "cpu", *args]
+    return [*torchrun_cmd(), "--standalone", "--nproc-per-node=2", mine, "--device", "cpu", *args]
 
 
 @pytest.fixture(scope="module")
 def template_runs(tmp_path_factory):
-    """Two launches of the template at 2 processes: 2 epochs under TORCH_DISTRIBUTED_DEBUG=DETAIL, then its
-    checkpoint resumed to 3."""
+    """The README's three steps followed literally (test_newcomer's lines at the `# PORT` marks of a copy,
+    mine.py) in a folder where the template's own checkpoint lies; launched at 2 processes for 2 epochs
+    under TORCH_DISTRIBUTED_DEBUG=DETAIL, then resumed to 3."""
+    import torch
     from conftest import cpu_env, run_bounded
+    from test_newcomer import port as readme_port
     work = tmp_path_factory.mktemp("template")
-    first = run_bounded(template("--epochs", "2", "--metrics", "first.json"), work, timeout=180,
+    mine = work / "mine.py"
+    mine.write_text(readme_port((ROOT / "ddp_template.py").read_text()))
+    original = work / "ddp_template.pt"  # what `torchrun ... ddp_template.py` leaves: another model's
+    torch.save({"model": torch.nn.Linear(20, 1).state_dict(), "optimizer": {"state": {}, "param_groups": []},
+                "epoch": 5, "job": "an-earlier-job", "world_size": 2}, original)
+    before = original.read_bytes()
+    first = run_bounded(template(mine, "--epochs", "2", "--metrics", "first.json"), work, timeout=180,
                         env=cpu_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
-    resumed = run_bounded(template("--epochs", "3", "--resume", "--metrics", "resumed.json"), work, timeout=180)
+    resumed = run_bounded(template(mine, "--epochs", "3", "--resume", "--metrics", "resumed.json"), work, timeout=180)
+    assert original.read_bytes() == before, "the original's checkpoint was touched"
     return work, first, resumed
 
 
 def test_template_learns_validates_exactly_and_survives_detail(template_runs):
     work, first, resumed = template_runs
     m = read(work / "resumed.json")
-    assert m["world_size"] == 2 and m["epochs"] == 3 and m["steps"] == 32 == m["steps_per_epoch"], m  # 4096 / (64 x 2)
-    assert m["val_samples"] == 1001 and m["val_accuracy"] > 0.85 and m["val_loss"] < 0.5 * m["val_losses"][0], m
-    assert m["final_loss"] < 0.3 * m["first_loss"] and m["replicas_in_sync"], m
+    # 3095 training samples (4096 less the 1001 held out) in steps of 64 x 2
+    assert m["script"] == "mine.py" and m["world_size"] == 2 and m["epochs"] == 3 and m["steps"] == 25 == m["steps_per_epoch"], m
+    assert m["val_samples"] == 1001 and m["val_accuracy"] > 0.9 and m["val_loss"] < 0.5 * m["val_losses"][0], m
+    assert m["final_loss"] < 0.5 * m["first_loss"] and m["final_loss"] < 0.25 and m["replicas_in_sync"], m
     assert m["best_val_loss"] == min(m["val_losses"]), m
     # DETAIL checks every collective; DDP's own group is the unchecked one (a checked one: SIGSEGV)
     d = read(work / "first.json")
@@ -108,13 +119,13 @@ def test_template_checkpoint_holds_the_whole_run(template_runs):
     import torch
     work, _, resumed = template_runs
     r = read(work / "resumed.json")
-    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 32, resumed
-    assert r["steps_per_epoch"] == 32 and "epoch 3, step 96 |" in resumed.stdout, resumed
+    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 25, resumed
+    assert "epoch 3, step 75 |" in resumed.stdout, resumed
     assert len(r["losses"]) == 3 and r["losses"][:2] == read(work / "first.json")["losses"], r
-    state = torch.load(work / "ddp_template.pt", weights_only=True)
+    state = torch.load(work / "mine.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "progress", "job", "world_size"} <= set(state)
-    assert (state["epoch"], state["step"], state["world_size"]) == (3, 96, 2), state["progress"]
-    assert state["scheduler"]["last_epoch"] == 96 and len(state["progress"]["history"]) == 3
+    assert (state["epoch"], state["step"], state["world_size"]) == (3, 75, 2), state["progress"]
+    assert state["scheduler"]["last_epoch"] == 75 and len(state["progress"]["history"]) == 3
 
 
 @pytest.mark.slow  # a third launch; the default tier checks what the checkpoint holds
@@ -122,7 +133,8 @@ def test_template_resumes_exactly(template_runs, launch, tmp_path):
     """Stopped after epoch 2 and resumed to 3: the weights of the uninterrupted 3 epochs, bit for bit (the
     sampler, the per-rank dropout seeds, the schedule and the optimizer all continue where they were)."""
     work, _, resumed = template_runs
-    whole = launch(template("--epochs", "3", "--metrics", "whole.json"), timeout=180)
+    whole = launch(template(work / "mine.py", "--epochs", "3", "--checkpoint", "whole.pt", "--metrics", "whole.json"),
+                   timeout=180)
     r, w = read(work / "resumed.json"), read(tmp_path / "whole.json")
     assert fingerprint(resumed.stdout) == fingerprint(whole.stdout), (resumed, whole)
     assert r["losses"] == w["losses"] and r["val_losses"] == w["val_losses"], (r, w)
