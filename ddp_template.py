@@ -51,6 +51,8 @@ def parse_args(argv=None):
                    help="steps of linear warm-up; after them the rate halves every --lr_half_life steps")
     p.add_argument("--lr_half_life", "--lr-half-life", type=float, default=200, metavar="STEPS",
                    help="steps over which the learning rate halves after the warm-up")
+    p.add_argument("--log_every", "--log-every", type=int, default=0, metavar="N",
+                   help="also print the loss over all ranks every N steps (0: once an epoch)")
     p.add_argument("--clip", type=float, default=1.0, metavar="NORM", help="gradient norm clipping (0: off)")
     p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="off",
                    help="autocast: bf16 (CPUs and recent GPUs), fp16 (with a GradScaler), or off")
@@ -75,6 +77,8 @@ def parse_args(argv=None):
 def check_args(args):
     """Bad input is one line `error: what (fix)` and exit code 2, before any process group or training."""
     check_positive(args, "epochs", "batch_size", "lr", "warmup_steps", "lr_half_life", "timeout")
+    for name in (n for n in ("log_every", "clip", "workers") if getattr(args, n) < 0):
+        fail(f"{spelled(name)} must be 0 or more, got {getattr(args, name)}", f"pass {spelled(name)} 0 or above")
     check_folders(args.metrics, args.checkpoint)
     resolve_device(args)
     check_own_args(args)
@@ -203,7 +207,16 @@ def train_one_epoch(model, loader, epoch, optimizer, scheduler, scaler, progress
         scheduler.step()
         progress["step"] += 1
         totals += torch.stack([loss.detach().double() * len(targets), totals.new_tensor(len(targets))])
+        if args.log_every and progress["step"] % args.log_every == 0:  # on every rank: it holds a collective
+            print0(f"step {progress['step']} | loss {mean_over_ranks(loss):.4f} | lr {scheduler.get_last_lr()[0]:.3g}")
     return totals
+
+
+def mean_over_ranks(loss):
+    """The batch loss averaged over every rank (one small all-reduce, and a host sync: every N steps, not each)."""
+    loss = loss.detach().float().clone()
+    dist.all_reduce(loss)
+    return loss.item() / dist.get_world_size()
 
 
 @torch.no_grad()
