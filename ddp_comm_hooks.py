@@ -139,8 +139,8 @@ def check_args(args):
     args.hooks = choose_hooks(args.hooks, unavailable_hooks(args))
     steps = args.epochs * steps_per_epoch(args.samples, int(os.environ.get("WORLD_SIZE", 1)), args.batch_size)
     if any("powersgd" in name for name in args.hooks) and not 2 <= args.powersgd_warmup < steps:
-        fail(f"{spelled('powersgd_warmup')} {args.powersgd_warmup} must be at least 2 and below the run's {steps} steps",
-             "DDP rebuilds its buckets after step 1, which PowerSGD's memory cannot follow; "
+        fail(f"{spelled('powersgd_warmup')} {args.powersgd_warmup} must be at least 2 and below the run's "
+             f"{steps} steps", "DDP rebuilds its buckets after step 1, which PowerSGD's memory cannot follow; "
              "a warm-up as long as the run compresses nothing")
     choose_buckets(args)
     return args
@@ -167,8 +167,8 @@ def choose_buckets(args):
     if args.bucket_cap_mb is None and args.backend == "gloo":
         args.bucket_cap_mb = math.ceil(model_mb)
     elif args.backend == "gloo" and args.bucket_cap_mb < model_mb and any("powersgd" in h for h in args.hooks):
-        fail(f"{spelled('bucket_cap_mb')} {args.bucket_cap_mb:g} splits the {model_mb:.1f} MB of gradients into several buckets, "
-             "and PowerSGD on gloo then issues collectives in a different order on each rank",
+        fail(f"{spelled('bucket_cap_mb')} {args.bucket_cap_mb:g} splits the {model_mb:.1f} MB of gradients into several "
+             "buckets, and PowerSGD on gloo then issues collectives in a different order on each rank",
              f"leave {spelled('bucket_cap_mb')} out, or give at least {math.ceil(model_mb)}")
 
 
@@ -818,16 +818,20 @@ def roll_call(seconds=0.0):
 # ---- recipe: DETAIL-safe DDP group: DDP(..., process_group=ddp_group(timeout)) survives TORCH_DISTRIBUTED_DEBUG=DETAIL
 def ddp_group(timeout):
     """DDP's process group: None (the default group), or under DETAIL a group of every rank created with the
-    debug level briefly OFF (a collective: every rank calls it), with the collective timeout in seconds. torch
-    2.14 and 2.15 end the process with SIGSEGV in DDP's constructor when its group is a checked one; DDP's
-    gradient all-reduces then go unchecked, every other collective is still checked."""
-    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
+    debug level briefly OFF (a collective: every rank calls it), with the collective timeout in seconds (None:
+    torch's default for a new group, 30 minutes on gloo: it does not inherit init_process_group's). torch 2.14 and
+    2.15 end the process with SIGSEGV in DDP's constructor when its group is a checked one; DDP's gradient
+    all-reduces then go unchecked, every other collective is still checked. DETAIL is the level now or the one
+    the job was launched with (the default group was created checked even if the level was lowered since)."""
+    previous = dist.get_debug_level()
+    if dist.DebugLevel.DETAIL not in (previous, dist.DebugLevel.__members__.get(
+            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper())):
         return None
     dist.set_debug_level(dist.DebugLevel.OFF)  # the groups created now are not wrapped in the checks
     try:
-        return dist.new_group(timeout=timedelta(seconds=timeout))
+        return dist.new_group(timeout=None if timeout is None else timedelta(seconds=timeout))
     finally:
-        dist.set_debug_level(dist.DebugLevel.DETAIL)
+        dist.set_debug_level(previous)
 
 
 # ---- recipe: agreement (needs errors): the ranks must hold the same integer
