@@ -45,8 +45,8 @@ Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file a
 rank-local decision, the three diagnoses, and the agreed decision that fixes it. On NCCL the watchdog
 aborts a timed-out collective and first dumps the flight recorder by itself, into --trace_dir
 (prepare_diagnosis); gloo records but dumps only when asked, as here. torch 2.7 (the floor) runs all
-of it except --diagnose flight on gloo: its gloo keeps no record. Beyond the lesson: a gap of torch's
-worked around (the flight record written on gloo); DDP's group under DETAIL: the harness's ddp_group.
+of it except --diagnose flight on gloo: its gloo keeps no record. Beyond the lesson: the flight record
+written on gloo. DDP's group under DETAIL: ddp_group(None), torch's 30 min: the checked calls time out first.
 """
 
 # ---------------------------------------------------------------- imports
@@ -188,7 +188,7 @@ def build(device, args):
         check_optimizer_state(args.checkpoint, state["optimizer"], optimizer)  # before the optimizer sees it
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"]
-    model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args.timeout))
+    model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(None))
     return model, optimizer, start
 
 
