@@ -561,8 +561,14 @@ def test_the_template_trains_under_detail(tmp_path):
     assert re.search(r"^epoch 1/1 \| loss \d", r.stdout, re.M) and "replicas: in sync (2 ranks" in r.stdout, r
 
 
+# torch 2.7 (the floor): DETAIL's checked gloo group lacks allgather_into_tensor_coalesced, which FSDP2 calls (a
+# RuntimeError per rank); 2.14 and 2.15 have it
+OLD_DETAIL = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(DETAIL_RUNS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skipif(
+    n == "fsdp_transformer" and OLD_DETAIL, reason="torch < 2.14: FSDP2 on a checked gloo group")) for n in DETAIL_RUNS])
 def test_every_ddp_script_survives_detail(name, tmp_path):
     r = detail_launch(name, tmp_path)
     if DETAIL_RUNS[name][2]:  # --mode bare: DDP's own error, named in one line, as without DETAIL
