@@ -249,6 +249,7 @@ def main():
 # What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
+import atexit
 import contextlib
 import errno
 import gc
@@ -691,6 +692,8 @@ def replicas_verdict(every, fingerprint):
     if differ and dist.get_rank() == 0:
         report_error(f"error: the replicas differ after training: ranks {differ}{where} (find the update made on "
                      "one rank alone, or the buffer no collective syncs: docs/when_things_go_wrong.md)")
+    elif differ and "TORCHELASTIC_RUN_ID" in os.environ:  # bounded: torchrun stops this rank once rank 0 has exited,
+        atexit.register(time.sleep, 30)  # so rank 0, which said why, is its root cause with its own exit code 1
     return not differ
 
 

@@ -901,6 +901,8 @@ def replicas_verdict(every, fingerprint):
     if differ and dist.get_rank() == 0:
         report_error(f"error: the replicas differ after training: ranks {differ}{where} (find the update made on "
                      "one rank alone, or the buffer no collective syncs: docs/when_things_go_wrong.md)")
+    elif differ and "TORCHELASTIC_RUN_ID" in os.environ:  # bounded: torchrun stops this rank once rank 0 has exited,
+        atexit.register(time.sleep, 30)  # so rank 0, which said why, is its root cause with its own exit code 1
     return not differ
 
 

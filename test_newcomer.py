@@ -157,7 +157,8 @@ torch.optim.SGD.step = _nudged
 def test_torchrun_reports_a_replica_mismatch_as_the_root_cause(launch, torchrun, script, tmp_path):
     """Issue 44: replicas that differ after training were `error_file: <N/A>` in torchrun's report. Now rank 0
     says which tensor differs, on stdout and as its error (TORCHELASTIC_ERROR_FILE): torchrun's Root Cause
-    shows that line; the job exits 1 (torchrun's code), no traceback of ours."""
+    shows that line with rank 0's exit code 1 (the other ranks wait at exit to be stopped); the job exits 1
+    (torchrun's code), no traceback of ours."""
     (tmp_path / "nudge").mkdir()
     (tmp_path / "nudge" / "sitecustomize.py").write_text(NUDGE)
     r = launch([*torchrun, "--standalone", "--nproc-per-node=2", script("ddp_gpus_torchrun.py"), "--device", "cpu",
@@ -168,6 +169,7 @@ def test_torchrun_reports_a_replica_mismatch_as_the_root_cause(launch, torchrun,
                                                  "weight ("), r
     root = r.stderr.split("Root Cause (first observed failure):", 1)
     assert len(root) == 2 and re.search(r"traceback\s*:\s*" + re.escape(ours[0]), root[1]), r
+    assert "exitcode  : 1 " in root[1], root[1]  # rank 0's own code: the other rank waited to be stopped
     assert not re.search(r"^\[rank\d\]: Traceback", r.stderr, re.M), r  # torchrun's own report has one; ours none
 
 
