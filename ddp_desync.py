@@ -45,8 +45,8 @@ Nearest sibling: ddp_gpus_torchrun.py (the same launch and sampler). This file a
 rank-local decision, the three diagnoses, and the agreed decision that fixes it. On NCCL the watchdog
 aborts a timed-out collective and first dumps the flight recorder by itself, into --trace_dir
 (prepare_diagnosis); gloo records but dumps only when asked, as here. torch 2.7 (the floor) runs all
-of it except --diagnose flight on gloo: its gloo keeps no record. Beyond the lesson: two gaps of
-torch's worked around (DDP's group under DETAIL, the flight record written on gloo).
+of it except --diagnose flight on gloo: its gloo keeps no record. Beyond the lesson: the flight record
+written on gloo. DDP's group under DETAIL: ddp_group(None), torch's 30 min: the checked calls time out first.
 """
 
 # ---------------------------------------------------------------- imports
@@ -114,9 +114,9 @@ def check_args(args):
     resolve_device(args)
     gloo_records = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
     if args.diagnose == "flight" and args.backend == "gloo" and not gloo_records:
-        fail(f"--diagnose flight: torch {torch.__version__} keeps no flight record for gloo "
+        fail(f"{spelled('diagnose')} flight: torch {torch.__version__} keeps no flight record for gloo "
              "(torch 2.7 records NCCL only)",
-             "use --diagnose detail or timeout, or torch 2.14, whose gloo records")
+             f"use {spelled('diagnose')} detail or timeout, or torch 2.14, whose gloo records")
     args.resume = continue_checkpoint(args.checkpoint, args.resume)  # unasked: only this job's own (a restart)
     return args
 
@@ -188,7 +188,7 @@ def build(device, args):
         check_optimizer_state(args.checkpoint, state["optimizer"], optimizer)  # before the optimizer sees it
         optimizer.load_state_dict(state["optimizer"])
         start = state["epoch"]
-    model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args))
+    model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(None))
     return model, optimizer, start
 
 
@@ -357,20 +357,7 @@ def main():
         sys.exit(1)  # ranks that took different numbers of steps, or replicas that differ
 
 
-# ---- beyond the lesson: torch's gaps worked around (DDP on an unchecked group, gloo's flight record) ----
-def ddp_group(args):
-    """DDP's process group: the default one, except under --diagnose detail. There torch 2.14 and 2.15 end the
-    process with SIGSEGV in DDP's constructor when its group is checked (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps
-    every group created after it is set; 2.7 does not crash), so DDP gets a group created unchecked (and with
-    torch's default timeout, 30 minutes): its gradient all-reduces go unchecked, the checked calls time out first."""
-    if args.diagnose != "detail":
-        return None
-    dist.set_debug_level(dist.DebugLevel.OFF)
-    group = dist.new_group()
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    return group
-
-
+# ---- beyond the lesson: torch's gap worked around (gloo's flight record) ----
 def dump_trace(args):
     """--diagnose flight on gloo: torch dumps the flight recorder by itself only on NCCL (on a watchdog
     timeout), so each rank writes its own here. torch 2.14's gloo record names its groups '' in the
@@ -393,6 +380,7 @@ def dump_trace(args):
 # What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
+import atexit
 import contextlib
 import errno
 import gc
@@ -478,7 +466,14 @@ def refuse_launcher_flags(argv=None):
 
 def check_positive(args, *names):
     for name in (n for n in names if getattr(args, n) is not None and not getattr(args, n) > 0):
-        fail(f"--{name} must be positive, got {getattr(args, name)}", f"pass a --{name} above 0")
+        fail(f"{spelled(name)} must be positive, got {getattr(args, name)}", f"pass a {spelled(name)} above 0")
+
+
+def spelled(name):
+    """The option `name` (its dest, `batch_size`) as the command line gave it, `--batch-size` or `--batch_size`
+    (`--x=...` too), so an error names a flag the user typed; not given: `--name`."""
+    given = (arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--"))
+    return next((flag for flag in given if flag[2:].replace("-", "_") == name), f"--{name}")
 
 
 def check_folders(*paths):
@@ -748,6 +743,25 @@ def roll_call(seconds=0.0):
         return None
 
 
+# ---- recipe: DETAIL-safe DDP group: DDP(..., process_group=ddp_group(timeout)) survives TORCH_DISTRIBUTED_DEBUG=DETAIL
+def ddp_group(timeout):
+    """DDP's process group: None (the default group), or under DETAIL a group of every rank created with the
+    debug level briefly OFF (a collective: every rank calls it), with the collective timeout in seconds (None:
+    torch's default for a new group, 30 minutes on gloo: it does not inherit init_process_group's). torch 2.14 and
+    2.15 end the process with SIGSEGV in DDP's constructor when its group is a checked one; DDP's gradient
+    all-reduces then go unchecked, every other collective is still checked. DETAIL is the level now or the one
+    the job was launched with (the default group was created checked even if the level was lowered since)."""
+    previous = dist.get_debug_level()
+    if dist.DebugLevel.DETAIL not in (previous, dist.DebugLevel.__members__.get(
+            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper())):
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)  # the groups created now are not wrapped in the checks
+    try:
+        return dist.new_group(timeout=None if timeout is None else timedelta(seconds=timeout))
+    finally:
+        dist.set_debug_level(previous)
+
+
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
 def free_error_frames(error=None):
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
@@ -759,14 +773,17 @@ def free_error_frames(error=None):
     gc.collect()
 
 
-# ---- recipe: replica check (needs printing): every rank's parameters equal, bit for bit
+# ---- recipe: replica check (needs printing, errors): every rank's parameters and buffers equal, bit for bit
 def replicas_in_sync(model, device):
-    """A parameter at a time, broadcast by its first holder, compared by torch.equal (sums can differ in the
-    last bit between GPUs, or coincide); a DTensor (FSDP2) across the ranks its mesh replicates it over, and
-    its shards must tile it. The fingerprint, sum(x * sin(i)) over the whole model, is the same sharded or not."""
-    same, base, whole = True, 0, 0
+    """Every parameter and buffer (BatchNorm's running statistics, its int counter too) broadcast by its first
+    holder and compared by torch.equal (sums can differ in the last bit between GPUs, or coincide); a DTensor
+    (FSDP2) across the ranks its mesh replicates it over, and its shards must tile it. The fingerprint, sum(x *
+    sin(i)) over the parameters, is the same sharded or not. They differ: rank 0 says which, also as this
+    worker's error (torchrun's root cause), and the caller exits 1."""
+    differ_in, base, whole = [], 0, 0
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
-    for p in (p.detach() for p in model.parameters()):
+    tensors = [("parameter", n, p.detach()) for n, p in model.named_parameters()]
+    for kind, name, p in tensors + [("buffer", n, b) for n, b in model.named_buffers()]:
         local, offsets, first, groups = p, (0,) * p.dim(), dist.get_rank() == 0, [None]  # all of p, on every rank
         if hasattr(p, "device_mesh"):  # a DTensor: its mesh says who holds which part (its first chunk here)
             replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
@@ -776,17 +793,29 @@ def replicas_in_sync(model, device):
         for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
             theirs = local.clone()
             dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-            same = same and torch.equal(theirs, local)
-        if first:
+            differ_in += [] if torch.equal(theirs, local) or f"{kind} {name}" in differ_in else [f"{kind} {name}"]
+        if first and kind == "parameter":
             sums[0] += fingerprint_terms(local, offsets, p.shape, base)
             sums[1] += local.numel()
-        base, whole = base + p.numel(), whole + p.numel()
+        base, whole = base + p.numel() * (kind == "parameter"), whole + p.numel() * (kind == "parameter")
     dist.all_reduce(sums)
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, same and int(sums[1].item()) == whole)  # the shards tile the model too
-    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict]
-    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({plural(len(verdicts), 'rank')}, fingerprint {sums[0].item():.10e})")
+    every = [None] * dist.get_world_size()  # each rank's differing tensors; "" where its shards do not tile
+    dist.all_gather_object(every, differ_in + ([] if int(sums[1].item()) == whole else ["shards that do not tile it"]))
+    return replicas_verdict(every, sums[0].item())
+
+
+def replicas_verdict(every, fingerprint):
+    """Rank 0's line on every rank's differing tensors (`every`, by rank), and its error line where any differ."""
+    differ = [rank for rank, names in enumerate(every) if names]
+    named = sorted({n for names in every for n in names}, key=lambda n: min(ns.index(n) for ns in every if n in ns))
+    where = f" in {named[0]}" + (f" (and {len(named) - 1} more)" if len(named) > 1 else "") if differ else ""
+    summary = f"({plural(len(every), 'rank')}, fingerprint {fingerprint:.10e})"
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ) + where} {summary}")
+    if differ and dist.get_rank() == 0:
+        report_error(f"error: the replicas differ after training: ranks {differ}{where} (find the update made on "
+                     "one rank alone, or the buffer no collective syncs: docs/when_things_go_wrong.md)")
+    elif differ and "TORCHELASTIC_RUN_ID" in os.environ:  # bounded: torchrun stops this rank once rank 0 has exited,
+        atexit.register(time.sleep, 30)  # so rank 0, which said why, is its root cause with its own exit code 1
     return not differ
 
 
@@ -852,23 +881,19 @@ def save_checkpoint(state, path):
 
 
 # ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
-def load_checkpoint(path, keys, model=None):
-    """weights_only: plain data, so a pickled object is refused before it runs; onto the CPU (load_state_dict
-    moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from what it checked.
-    `keys`: what it must hold; with `model`, loaded into it. One line per machine."""
-    try:
-        state = torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
-        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
-             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
-        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
-             f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
-             else "it is unreadable or truncated; delete it to start afresh", every_node=True)
-    if not isinstance(state, dict) or not set(keys) <= set(state):
+def load_checkpoint(path, keys, model=None, optimizers=None):
+    """The checkpoint at `path` as a dict, checked (one line per machine, exit 2, when it is not one of ours):
+    it holds `keys` (and the entries named below). `model`: a module loaded from "model", or {entry: module},
+    each entry a dict of finite tensors loaded strictly into its module. `optimizers`: {entry: optimizer}, each
+    entry checked against its optimizer (check_optimizer_state) and loaded into it. Tensors only in those
+    entries and "optimizer"; every other entry plain data (numbers, strings, lists, dicts of them: a scheduler's
+    or a GradScaler's state_dict), returned as it is. Counts (epoch, step, ...) in `keys`: ints from 0."""
+    state, optimizers = checkpoint_data(path), optimizers or {}
+    models = model if isinstance(model, dict) else {"model": model} if model is not None or "model" in keys else {}
+    if not isinstance(state, dict) or not set(keys) | set(models) | set(optimizers) <= set(state):
         fail(f"{path} is not a checkpoint of this script", "delete it, or point the script at one it wrote", every_node=True)
-    valued = next((str(k) for k, v in state.items() if k not in ("model", "optimizer") and holds_tensor(v)), None)
+    valued = next((str(k) for k, v in state.items() if k not in {"model", "optimizer", *models, *optimizers}
+                   and holds_tensor(v)), None)
     if valued:  # where a value belongs, a tensor compares elementwise (10^9 from a 4-byte view), then is no bool
         fail(f"{path} is not a checkpoint of this script: its {valued[:40]} holds a tensor",
              "delete it, or point the script at one it wrote", every_node=True)
@@ -877,9 +902,28 @@ def load_checkpoint(path, keys, model=None):
     if counts:
         fail(f"{path} is not a checkpoint of this script: {', '.join(counts)} is not a count",
              "delete it, or point the script at one it wrote", every_node=True)
-    if "model" in keys:
-        check_and_load_weights(path, state, model)
+    for entry, module in models.items():
+        check_and_load_weights(path, state, module, entry)
+    for entry, optimizer in optimizers.items():
+        check_optimizer_state(path, state[entry], optimizer, which=entry)
+        optimizer.load_state_dict(state[entry])
     return state
+
+
+def checkpoint_data(path):
+    """torch.load with weights_only: plain data, so a pickled object is refused before it runs; onto the CPU
+    (load_state_dict moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from
+    what it checked. Unreadable: one line per machine."""
+    try:
+        return torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
+        fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
+             "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
+    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
+        fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
+             f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
+             else "it is unreadable or truncated; delete it to start afresh", every_node=True)
 
 
 def holds_tensor(value):
@@ -1044,14 +1088,14 @@ def folded(op, at, taken, object_keys):
     return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
 
 
-def check_and_load_weights(path, state, model):
-    """"model" a dict of finite tensors by name (NaN weights would train on and end in a fingerprint of nan),
-    loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
+def check_and_load_weights(path, state, model, entry="model"):
+    """state[entry] ("model") a dict of finite tensors by name (NaN weights would train on and end in a fingerprint
+    of nan), loaded into `model` if given (load_state_dict's strict check says what differs); "optimizer", if there,
     an optimizer's state_dict (check_optimizer_state checks it against the optimizer that will load it)."""
-    theirs, optimizer = state["model"], state.get("optimizer", {})
+    theirs, optimizer, named = state[entry], state.get("optimizer", {}), "" if entry == "model" else f"{entry}: "
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(theirs, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in theirs.items()):
-        fail(f"{path} is not a checkpoint of this script: its model entry is not a dict of tensors",
+        fail(f"{path} is not a checkpoint of this script: its {entry} entry is not a dict of tensors",
              "delete it, or point the script at one it wrote", every_node=True)
     if not isinstance(optimizer, dict) or optimizer and not (
             isinstance(optimizer.get("state"), dict) and all(isinstance(v, dict) for v in optimizer["state"].values())
@@ -1060,15 +1104,15 @@ def check_and_load_weights(path, state, model):
              "delete it, or point the script at one it wrote", every_node=True)
     bad = next((k for k, v in theirs.items() if not finite_values(v)), None)
     if bad is not None:
-        fail(f"{path} holds weights that are not finite values: {bad[:80]} (NaN, Inf, or a view past its storage)",
-             "resume from an earlier checkpoint of the run, or delete it to start afresh", every_node=True)
+        fail(f"{path} holds weights that are not finite values: {named}{bad[:80]} (NaN, Inf, or a view past its "
+             "storage)", "resume from an earlier checkpoint of the run, or delete it to start afresh", every_node=True)
     if model is not None:
         meta = any(p.is_meta for p in model.parameters())  # shapes only: it takes the tensors, nothing to copy into
         try:  # a copy to assign from: load_state_dict leaves assign=True in the dict's _metadata for the next load
             model.load_state_dict(dict(theirs) if meta else theirs, assign=meta)
         except RuntimeError as e:  # its text from the 7th word: "size mismatch for w: copying a param with shape ..."
             why = re.sub(r"torch\.Size\(\[(.*?)\]\)", r"(\1)", " ".join(str(e).split()[6:]))
-            fail(f"{path} is for another model or configuration ({why[:200]})",
+            fail(f"{path} is for another model or configuration ({named}{why[:200]})",
                  "delete it, or use the configuration that wrote it", every_node=True)
 
 
@@ -1095,7 +1139,7 @@ def check_optimizer_state(path, saved, optimizer, which="this optimizer", fix=No
         params.update(zip(ids, group["params"]))
         keys.update(dict.fromkeys(ids, expected))
         ours.append(({**group, "params": list(ids)}, required))
-    groups, state = saved.get("param_groups"), saved.get("state")
+    groups, state = (saved.get("param_groups"), saved.get("state")) if type(saved) is dict else (None, None)
     if type(groups) is not list or type(state) is not dict or len(groups) != len(ours):
         why = f"{len(groups) if type(groups) is list else 'no'} parameter groups, this optimizer has {len(ours)}"
     elif any(type(g) is not dict or g.get("params") != mine["params"] or not same_settings(g, mine, required)

@@ -86,12 +86,12 @@ def check_args(args):
     check_positive(args, "epochs", "batch_size", "lr", "samples", "timeout", "nprocs")
     check_folders(args.metrics)
     if args.compare and args.ddp:
-        fail("--compare and --ddp exclude each other", "--compare already includes the DDP run")
+        fail(f"{spelled('compare')} and --ddp exclude each other", f"{spelled('compare')} already includes the DDP run")
     resolve_device(args)
     if args.compare or args.ddp:
         check_ddp_args(args)
     elif args.nprocs is not None:
-        fail("--nprocs only applies to the DDP run", "add --ddp or --compare, or drop --nprocs")
+        fail(f"{spelled('nprocs')} only applies to the DDP run", f"add --ddp or --compare, or drop {spelled('nprocs')}")
     return args
 
 
@@ -101,8 +101,8 @@ def check_ddp_args(args):
     if args.nprocs is None:
         args.nprocs = gpus if args.device != "cpu" else 2
     if args.device != "cpu" and args.nprocs > gpus:
-        fail(f"--nprocs {args.nprocs} but only {gpus} {args.device} device(s) are visible",
-             f"pass --nprocs {gpus} or fewer, or --device cpu")
+        fail(f"{spelled('nprocs')} {args.nprocs} but only {gpus} {args.device} device(s) are visible",
+             f"pass {spelled('nprocs')} {gpus} or fewer, or --device cpu")
     if args.batch_size % args.nprocs:
         fail(f"the global --batch_size {args.batch_size} does not split evenly over {args.nprocs} processes",
              f"pass a multiple of {args.nprocs}")
@@ -278,7 +278,7 @@ def train_ddp(device, args):
     """One DDP process: the same model and data, a 1/world share of every global batch."""
     torch.manual_seed(args.seed)  # the single-process run's initial weights (DDP broadcasts rank 0's)
     model = SimpleModel().to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args.timeout))
     world = dist.get_world_size()
     threads = torch.get_num_threads() if device.type == "cpu" else None
     print0(f"run: ddp | {plural(world, 'process')} on {device.type} ({dist.get_backend()})"
@@ -439,6 +439,7 @@ def print_comparison(single, ddp):
 # What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
+import atexit
 import contextlib
 import gc
 import logging
@@ -504,7 +505,14 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def check_positive(args, *names):
     for name in (n for n in names if getattr(args, n) is not None and not getattr(args, n) > 0):
-        fail(f"--{name} must be positive, got {getattr(args, name)}", f"pass a --{name} above 0")
+        fail(f"{spelled(name)} must be positive, got {getattr(args, name)}", f"pass a {spelled(name)} above 0")
+
+
+def spelled(name):
+    """The option `name` (its dest, `batch_size`) as the command line gave it, `--batch-size` or `--batch_size`
+    (`--x=...` too), so an error names a flag the user typed; not given: `--name`."""
+    given = (arg.split("=")[0] for arg in sys.argv[1:] if arg.startswith("--"))
+    return next((flag for flag in given if flag[2:].replace("-", "_") == name), f"--{name}")
 
 
 def check_folders(*paths):
@@ -720,6 +728,25 @@ def roll_call(seconds=0.0):
         return None
 
 
+# ---- recipe: DETAIL-safe DDP group: DDP(..., process_group=ddp_group(timeout)) survives TORCH_DISTRIBUTED_DEBUG=DETAIL
+def ddp_group(timeout):
+    """DDP's process group: None (the default group), or under DETAIL a group of every rank created with the
+    debug level briefly OFF (a collective: every rank calls it), with the collective timeout in seconds (None:
+    torch's default for a new group, 30 minutes on gloo: it does not inherit init_process_group's). torch 2.14 and
+    2.15 end the process with SIGSEGV in DDP's constructor when its group is a checked one; DDP's gradient
+    all-reduces then go unchecked, every other collective is still checked. DETAIL is the level now or the one
+    the job was launched with (the default group was created checked even if the level was lowered since)."""
+    previous = dist.get_debug_level()
+    if dist.DebugLevel.DETAIL not in (previous, dist.DebugLevel.__members__.get(
+            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper())):
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)  # the groups created now are not wrapped in the checks
+    try:
+        return dist.new_group(timeout=None if timeout is None else timedelta(seconds=timeout))
+    finally:
+        dist.set_debug_level(previous)
+
+
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
 def free_error_frames(error=None):
     """Else the process can abort at exit ("terminate called without an active exception"): the frames of
@@ -731,14 +758,17 @@ def free_error_frames(error=None):
     gc.collect()
 
 
-# ---- recipe: replica check (needs printing): every rank's parameters equal, bit for bit
+# ---- recipe: replica check (needs printing, errors): every rank's parameters and buffers equal, bit for bit
 def replicas_in_sync(model, device):
-    """A parameter at a time, broadcast by its first holder, compared by torch.equal (sums can differ in the
-    last bit between GPUs, or coincide); a DTensor (FSDP2) across the ranks its mesh replicates it over, and
-    its shards must tile it. The fingerprint, sum(x * sin(i)) over the whole model, is the same sharded or not."""
-    same, base, whole = True, 0, 0
+    """Every parameter and buffer (BatchNorm's running statistics, its int counter too) broadcast by its first
+    holder and compared by torch.equal (sums can differ in the last bit between GPUs, or coincide); a DTensor
+    (FSDP2) across the ranks its mesh replicates it over, and its shards must tile it. The fingerprint, sum(x *
+    sin(i)) over the parameters, is the same sharded or not. They differ: rank 0 says which, also as this
+    worker's error (torchrun's root cause), and the caller exits 1."""
+    differ_in, base, whole = [], 0, 0
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # the fingerprint, the values counted
-    for p in (p.detach() for p in model.parameters()):
+    tensors = [("parameter", n, p.detach()) for n, p in model.named_parameters()]
+    for kind, name, p in tensors + [("buffer", n, b) for n, b in model.named_buffers()]:
         local, offsets, first, groups = p, (0,) * p.dim(), dist.get_rank() == 0, [None]  # all of p, on every rank
         if hasattr(p, "device_mesh"):  # a DTensor: its mesh says who holds which part (its first chunk here)
             replicated = [i for i, placement in enumerate(p.placements) if placement.is_replicate()]
@@ -748,17 +778,29 @@ def replicas_in_sync(model, device):
         for group in groups:  # the ranks that hold this very part: the first one's copy against each rank's own
             theirs = local.clone()
             dist.broadcast(theirs, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-            same = same and torch.equal(theirs, local)
-        if first:
+            differ_in += [] if torch.equal(theirs, local) or f"{kind} {name}" in differ_in else [f"{kind} {name}"]
+        if first and kind == "parameter":
             sums[0] += fingerprint_terms(local, offsets, p.shape, base)
             sums[1] += local.numel()
-        base, whole = base + p.numel(), whole + p.numel()
+        base, whole = base + p.numel() * (kind == "parameter"), whole + p.numel() * (kind == "parameter")
     dist.all_reduce(sums)
-    verdicts = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, same and int(sums[1].item()) == whole)  # the shards tile the model too
-    differ = [rank for rank, verdict in enumerate(verdicts) if not verdict]
-    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ)} "
-           f"({plural(len(verdicts), 'rank')}, fingerprint {sums[0].item():.10e})")
+    every = [None] * dist.get_world_size()  # each rank's differing tensors; "" where its shards do not tile
+    dist.all_gather_object(every, differ_in + ([] if int(sums[1].item()) == whole else ["shards that do not tile it"]))
+    return replicas_verdict(every, sums[0].item())
+
+
+def replicas_verdict(every, fingerprint):
+    """Rank 0's line on every rank's differing tensors (`every`, by rank), and its error line where any differ."""
+    differ = [rank for rank, names in enumerate(every) if names]
+    named = sorted({n for names in every for n in names}, key=lambda n: min(ns.index(n) for ns in every if n in ns))
+    where = f" in {named[0]}" + (f" (and {len(named) - 1} more)" if len(named) > 1 else "") if differ else ""
+    summary = f"({plural(len(every), 'rank')}, fingerprint {fingerprint:.10e})"
+    print0(f"replicas: {'in sync' if not differ else 'DIFFER on ranks ' + str(differ) + where} {summary}")
+    if differ and dist.get_rank() == 0:
+        report_error(f"error: the replicas differ after training: ranks {differ}{where} (find the update made on "
+                     "one rank alone, or the buffer no collective syncs: docs/when_things_go_wrong.md)")
+    elif differ and "TORCHELASTIC_RUN_ID" in os.environ:  # bounded: torchrun stops this rank once rank 0 has exited,
+        atexit.register(time.sleep, 30)  # so rank 0, which said why, is its root cause with its own exit code 1
     return not differ
 
 

@@ -447,6 +447,68 @@ def test_every_scripts_model_entry_is_checked(tmp_path, capsys, monkeypatch):
                 "snap.pt")
 
 
+def gan_pair(seed, width=4):
+    """Two models (BatchNorm in the second) and two optimizers, each stepped once: state in every entry."""
+    torch.manual_seed(seed)
+    g = torch.nn.Linear(3, width)
+    d = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width), torch.nn.Linear(width, 1))
+    g_opt, d_opt = torch.optim.Adam(g.parameters(), lr=1e-3), torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)
+    d(g(torch.randn(8, 3))).square().mean().backward()
+    g_opt.step()
+    d_opt.step()
+    return g, d, g_opt, d_opt
+
+
+def test_several_models_and_optimizers_round_trip_and_each_entry_is_checked(tmp_path, capsys, monkeypatch):
+    """Issue 44: load_checkpoint(path, keys, model={entry: module}, optimizers={entry: optimizer}) checks and loads
+    each model entry as "model" is (a dict of finite tensors, strict) and each optimizer entry against its
+    optimizer; a scheduler's, a GradScaler's and the user's own plain entries come back as saved; a tensor
+    anywhere else is refused. Each refusal names the entry."""
+    monkeypatch.delenv("RANK", raising=False)
+    g, d, g_opt, d_opt = gan_pair(0)
+    scheduler = torch.optim.lr_scheduler.StepLR(g_opt, step_size=2)
+    g_opt.step()  # the order torch asks for: the optimizer's step, then the scheduler's
+    scheduler.step()
+    mine = {"best_loss": 1.25, "names": ["a", "b"], "nested": {"k": [1, 2]}}
+    state = {"generator": g.state_dict(), "discriminator": d.state_dict(), "g_optimizer": g_opt.state_dict(),
+             "d_optimizer": d_opt.state_dict(), "scheduler": scheduler.state_dict(),
+             "scaler": torch.amp.GradScaler("cpu").state_dict(), "mine": mine, "step": 7}
+    path = tmp_path / "gan.pt"
+    ddp_gpus_torchrun.save_checkpoint(state, str(path))
+    g2, d2, g_opt2, d_opt2 = gan_pair(1)
+    entries = {"model": {"generator": g2, "discriminator": d2}, "optimizers": {"g_optimizer": g_opt2, "d_optimizer": d_opt2}}
+    got = ddp_gpus_torchrun.load_checkpoint(str(path), ("step", "scheduler", "scaler", "mine"), **entries)
+    assert got["mine"] == mine and got["step"] == 7 and got["world_size"] == 1 and got["scheduler"]["last_epoch"] == 1
+    for ours, theirs in ((g, g2), (d, d2)):  # buffers too: BatchNorm's running statistics and its counter
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
+    for g_, d_, go, do in ((g, d, g_opt, d_opt), (g2, d2, g_opt2, d_opt2)):  # one more step each: the same weights
+        torch.manual_seed(2)
+        go.zero_grad()
+        do.zero_grad()
+        d_(g_(torch.randn(8, 3))).square().mean().backward()
+        go.step()
+        do.step()
+    assert all(torch.equal(a, b) for a, b in zip([*g.parameters(), *d.parameters()], [*g2.parameters(), *d2.parameters()]))
+
+    def save_and_refuse(change, *words):
+        ddp_gpus_torchrun.save_checkpoint({**state, **change}, str(path))
+        fresh = gan_pair(1)
+        return refused(lambda: ddp_gpus_torchrun.load_checkpoint(
+            str(path), ("step", "mine"), model={"generator": fresh[0], "discriminator": fresh[1]},
+            optimizers={"g_optimizer": fresh[2], "d_optimizer": fresh[3]}), capsys, "gan.pt", *words)
+    other = gan_pair(0, width=5)  # the same parameters, other shapes
+    save_and_refuse({"d_optimizer": other[3].state_dict()}, "another optimizer's state than d_optimizer's", "shape")
+    save_and_refuse({"g_optimizer": [1, 2]}, "than g_optimizer's")
+    save_and_refuse({"mine": {**mine, "best": torch.ones(1)}}, "its mine holds a tensor")
+    save_and_refuse({"discriminator": other[1].state_dict()}, "is for another model or configuration (discriminator: ")
+    save_and_refuse({"generator": {"weight": "w"}}, "its generator entry is not a dict of tensors")
+    save_and_refuse({"generator": {**g.state_dict(), "weight": torch.full((4, 3), float("nan"))}},
+                    "not finite values: generator: weight")
+    ddp_gpus_torchrun.save_checkpoint({k: v for k, v in state.items() if k != "d_optimizer"}, str(path))
+    refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("step",), optimizers={"d_optimizer": d_opt2}),
+            capsys, "is not a checkpoint of this script")
+
+
 def test_ddp_main_checks_its_args_entry(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     args = ddp_main.parse_args(["--device", "cpu", "--checkpoint", str(tmp_path / "ck.pt"), "--resume"])

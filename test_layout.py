@@ -156,8 +156,10 @@ def test_the_reference_is_small_and_every_recipe_names_what_it_needs():
     # Issue 42 adds 327: the zip parsed as torch reads it, the pickle bound, the optimizer state checked,
     # a linked checkpoint's fix line. Issue 43 takes 50 off (the zip read by zipfile and written anew for torch.load,
     # an end-record check in place of the hand parser) and adds 448: fsdp_transformer's safe DCP reader and writer,
-    # robustness that stood in its lesson
-    assert len(source.splitlines()) <= 1339, len(source.splitlines())
+    # robustness that stood in its lesson. Issue 44 adds 57: buffers in the replica check and what differs named
+    # (also as torchrun's root cause), DDP's group under DETAIL, several models and optimizers loaded and checked,
+    # the flag as the user spelled it
+    assert len(source.splitlines()) <= 1396, len(source.splitlines())
     _, found = sync_harness.reference()
     banners = {name: re.match(r"# ---- recipe: ([^:(]+?)(?: \(needs ([^)]*)\))?: ", banner).groups()
                for name, (banner, _, _) in found.items()}  # name -> (its recipe, the recipes it names)

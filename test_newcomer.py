@@ -134,6 +134,46 @@ def test_torchrun_reports_our_error_line_as_the_root_cause(checkpoint, said, lau
     assert "exitcode  : 2" in root[1], root[1]
 
 
+# A rank-local update: in every process of the launch (sitecustomize.py, found on PYTHONPATH, runs at start-up),
+# rank 1 alone moves one weight by 1e-6 after each SGD step; nothing else of the script changes.
+NUDGE = """import torch
+import torch.distributed as dist
+
+_step = torch.optim.SGD.step
+
+
+def _nudged(self, *args, **kwargs):
+    result = _step(self, *args, **kwargs)
+    if dist.is_initialized() and dist.get_rank() == 1:
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].view(-1)[0] += 1e-6
+    return result
+
+
+torch.optim.SGD.step = _nudged
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_reports_a_replica_mismatch_as_the_root_cause(launch, torchrun, script, tmp_path):
+    """Issue 44: replicas that differ after training were `error_file: <N/A>` in torchrun's report. Now rank 0
+    says which tensor differs, on stdout and as its error (TORCHELASTIC_ERROR_FILE): torchrun's Root Cause
+    shows that line with rank 0's exit code 1 (the other ranks wait at exit to be stopped); the job exits 1
+    (torchrun's code), no traceback of ours."""
+    (tmp_path / "nudge").mkdir()
+    (tmp_path / "nudge" / "sitecustomize.py").write_text(NUDGE)
+    r = launch([*torchrun, "--standalone", "--nproc-per-node=2", script("ddp_gpus_torchrun.py"), "--device", "cpu",
+                "-e", "1"], timeout=120, check=False, env=cpu_env(PYTHONPATH=tmp_path / "nudge"))
+    assert r.returncode == 1 and "replicas: DIFFER on ranks [1] in parameter weight (2 ranks" in r.stdout, r
+    ours = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and ours[0].startswith("error: the replicas differ after training: ranks [1] in parameter "
+                                                 "weight ("), r
+    root = r.stderr.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2 and re.search(r"traceback\s*:\s*" + re.escape(ours[0]), root[1]), r
+    assert "exitcode  : 1 " in root[1], root[1]  # rank 0's own code: the other rank waited to be stopped
+    assert not re.search(r"^\[rank\d\]: Traceback", r.stderr, re.M), r  # torchrun's own report has one; ours none
+
+
 # ---------------------------------------------------------------- "Port your own training loop", literally
 # What a user puts at the three `# PORT` places of their copy: a 2-class MLP on a separable 2-D set
 # (test_porting.py launches the copy: it learns, validates exactly, resumes exactly, survives DETAIL).

@@ -9,8 +9,10 @@ scripts and run.sh), the MNIST ConvNet, the Transformer. Faults: test_faults.py;
 DataParallel and the benchmark: test_dp_bench.py; several hosts and SLURM: test_multihost.py.
 """
 import contextlib
+import copy
 import gc
 import itertools
+import json
 import math
 import os
 import re
@@ -218,13 +220,29 @@ def test_bad_arguments_one_line_exit_2_in_process(args, says, capsys):
     assert "(" in lines[0], "the error names the fix"
 
 
+@pytest.mark.parametrize("given,says", [(["--batch-size", "0"], "--batch-size"), (["--batch_size", "0"], "--batch_size"),
+                                        (["--batch-size=0"], "--batch-size"), (["--batch_size=0"], "--batch_size"),
+                                        (["-b", "0"], "--batch_size"), (["--max_epochs=0"], "--epochs")])
+def test_a_check_names_the_flag_as_the_user_spelled_it(given, says, monkeypatch, capsys):
+    """Issue 44: `--batch-size 0` said `--batch_size`, a spelling the user never typed. The flag as given
+    (`=` forms too); a short option or another name of the flag (`--max_epochs` for `--epochs`): its first
+    option string. spelled() reads the command line, so sys.argv is the one the parser read."""
+    import ddp_gpus_torchrun
+    monkeypatch.setattr(sys, "argv", ["ddp_gpus_torchrun.py", "--device", "cpu", *given])
+    with pytest.raises(SystemExit) as exited:
+        ddp_gpus_torchrun.check_args(ddp_gpus_torchrun.parse_args())
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and lines == [f"error: {says} must be positive, got 0 (pass a {says} above 0)"], lines
+    assert ddp_gpus_torchrun.spelled("lr") == "--lr"
+
+
 # one launch per kind of script (mp.spawn, torchrun) by default: each costs seconds of start-up, and
 # the checks themselves run in process above and below
 @pytest.mark.parametrize("name,args,says", [
     ("ddp_gpus.py", ["--device", "cuda"], "no GPU"),
     pytest.param("ddp_gpus.py", ["--backend", "nccl"], "nccl", marks=pytest.mark.slow),
     pytest.param("ddp_minimal.py", ["--nprocs", "-2"], "--nprocs", marks=pytest.mark.slow),
-    ("ddp_gpus_torchrun.py", ["--max_epochs", "0"], "--epochs"),
+    ("ddp_gpus_torchrun.py", ["--batch-size", "0"], "error: --batch-size must be positive, got 0 (pass a --batch-size"),
 ])
 def test_bad_input_one_line_exit_2(launch, script, name, args, says):
     r = launch([sys.executable, script(name), *args], timeout=60, check=False)
@@ -306,6 +324,8 @@ def _gloo_pair_worker(rank, world, port, batch, steps, out):
         del model
         with open(f"{out}.fsdp.{rank}", "w") as f:
             f.write(" ".join(map(str, fsdp_replica_checks(rank, replicas_in_sync))))
+        with open(f"{out}.buffers.{rank}", "w") as f:
+            f.write("\n".join(buffer_replica_checks(rank, replicas_in_sync, f"{out}.error.json")))
         try:
             accumulation_check(rank, world, k=3)
             verdict = "ok"
@@ -316,6 +336,36 @@ def _gloo_pair_worker(rank, world, port, batch, steps, out):
     finally:
         gc.collect()  # free DDP's reducer before the group (see cleanup() in the scripts)
         dist.destroy_process_group()
+
+
+def buffer_replica_checks(rank, replicas_in_sync, error_file):
+    """The replica check compares buffers too (issue 44): a BatchNorm's running_mean moved by 1e-6 on rank 1,
+    then its int counter num_batches_tracked, then a weight and running_var together; per check the verdict,
+    what rank 0 printed and its error line, also written where torchrun reads a worker's error (its root cause)."""
+    import contextlib
+    import io
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    initial = copy.deepcopy(model.state_dict())
+    lines = []
+
+    def checked(change):
+        model.load_state_dict(initial)
+        with torch.no_grad():
+            if rank == 1:
+                change()
+        printed, said = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(said):
+            verdict = replicas_in_sync(model, torch.device("cpu"))
+        lines.extend([str(verdict), printed.getvalue().strip(), said.getvalue().strip()])
+
+    os.environ["TORCHELASTIC_ERROR_FILE"] = error_file
+    checked(lambda: None)
+    checked(lambda: model[1].running_mean.__setitem__(2, model[1].running_mean[2] + 1e-6))
+    checked(lambda: model[1].num_batches_tracked.add_(1))
+    checked(lambda: (model[0].weight.__setitem__((0, 0), 5.0), model[1].running_var.__setitem__(0, 2.0)))
+    del os.environ["TORCHELASTIC_ERROR_FILE"]
+    return lines
 
 
 def fsdp_replica_checks(rank, replicas_in_sync):
@@ -395,6 +445,27 @@ def test_replica_check_detects_one_differing_weight(gloo_pair):
     # verdicts: whole, sharded, (rank 0: fingerprint the whole's), sharded after one shard moved (a 1-D mesh
     # has no copy to compare), (rank 0: fingerprint moved), HSDP, HSDP after one replica moved
     assert fsdp == ["True True True True True True False", "True True True True False"], fsdp
+
+
+@pytest.mark.xdist_group("gloo_pair")
+def test_replica_check_compares_buffers_and_names_what_differs(gloo_pair):
+    """A BatchNorm statistic (a float, then the int counter) changed on one rank fails the check, and rank 0's
+    line and error line name it; the fingerprint is the parameters' alone (a buffer moves no digit of it)."""
+    out = gloo_pair[0]
+    rank0 = open(f"{out}.buffers.0").read().split("\n")
+    verdicts = [rank0[i] for i in range(0, 12, 3)]
+    printed, said = rank0[1::3], rank0[2::3]
+    assert verdicts == ["True", "False", "False", "False"], rank0
+    assert open(f"{out}.buffers.1").read().split("\n")[0::3] == verdicts
+    assert printed[0].startswith("replicas: in sync (2 ranks, fingerprint ") and said[0] == "", rank0
+    for line, what in zip(printed[1:], ["in buffer 1.running_mean (2", "in buffer 1.num_batches_tracked (2",
+                                         "in parameter 0.weight (and 1 more) (2"]):
+        assert line.startswith(f"replicas: DIFFER on ranks [1] {what} ranks, fingerprint "), line
+    assert printed[0].rsplit(" ", 1)[1] == printed[1].rsplit(" ", 1)[1] == printed[2].rsplit(" ", 1)[1], printed
+    assert said[1].startswith("error: the replicas differ after training: ranks [1] in buffer 1.running_mean (find "), said
+    assert "1.num_batches_tracked" in said[2] and all(len(s.splitlines()) == 1 for s in said[1:]), said
+    written = json.loads(Path(f"{out}.error.json").read_text())["message"]  # rank 0's, the last check's
+    assert written["message"] == said[3] and int(written["extraInfo"]["timestamp"]) > 0, written
 
 
 # ---------------------------------------------------------------- DistributedSampler
