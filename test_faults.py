@@ -549,9 +549,10 @@ def detail_launch(name, tmp_path, timeout=180):
     return r
 
 
+@pytest.mark.slow  # the default tier launches the porting template (ddp_template.py) under DETAIL: test_porting.py
 def test_the_template_trains_under_detail(tmp_path):
-    """ddp_gpus_torchrun -e 1 under torchrun with DETAIL (it exited -11 before issue 44): it trains the epoch,
-    its metrics count every step, and the replicas end in sync."""
+    """ddp_gpus_torchrun -e 1 (the template before issue 44) under torchrun with DETAIL (it exited -11 before issue
+    44): it trains the epoch, its metrics count every step, and the replicas end in sync."""
     r = run_bounded([*TORCHRUN, "--standalone", "--nproc-per-node=2", ROOT / "ddp_gpus_torchrun.py", "--device", "cpu",
                      "-e", "1", "--metrics", "m.json"], tmp_path, timeout=120,
                     env=cpu_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"), check=False)

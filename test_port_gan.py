@@ -13,34 +13,18 @@ import pytest
 import torch
 
 from conftest import ROOT, cpu_env, run_bounded, torchrun_cmd
-from test_porting import port, read
+from test_porting import blocks, port, read
 
-GUIDE = ROOT / "docs" / "porting.md"
-PART = ROOT / "docs" / "porting_gan.part.md"  # the section before it is merged into the guide
 HEADING = "### Two models, two optimizers: a GAN"
 EPOCHS, STEPS_PER_EPOCH = 5, 64  # the section's defaults: 8,192 samples in steps of 64 x 2
 SIZES = ("--epochs", str(EPOCHS))
 TARGET_MEAN, TARGET_COVARIANCE = torch.tensor([2.0, -1.0]), torch.tensor([[1.0, 0.6], [0.6, 0.5]])
-# load_checkpoint before issue 44's harness: a tensor outside the entries "model" and "optimizer" is refused
-OLD_HARNESS = 'if k not in ("model", "optimizer") and holds_tensor(v)'
 pytestmark = pytest.mark.xdist_group("port_gan")  # one test process: the shared launch runs once
-
-
-def blocks():
-    """The section's ```python blocks (test_porting.blocks' rule: to the next heading of its level or above),
-    from docs/porting.md once the section is there, else from the part file."""
-    text = GUIDE.read_text() if f"\n{HEADING}\n" in GUIDE.read_text() else "\n" + PART.read_text()
-    start = text.index(f"\n{HEADING}\n")
-    end = re.search(r"\n#{1,3} ", text[start + len(HEADING) + 2:])
-    section = text[start:start + len(HEADING) + 2 + end.start()] if end else text[start:]
-    found = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert found, f"no python block under {HEADING}"
-    return found
 
 
 def write_gan(folder, *extra):
     mine = folder / "mine.py"
-    mine.write_text(port((ROOT / "ddp_template.py").read_text(), *blocks(), *extra))
+    mine.write_text(port((ROOT / "ddp_template.py").read_text(), *blocks(HEADING), *extra))
     return mine
 
 
@@ -134,10 +118,7 @@ def test_gan_checkpoint_holds_both_models_and_optimizers(gan, capsys):
     try:
         port.load_checkpoint(str(mine.parent / "mine.pt"), keys, models, optimizers)
     except SystemExit:
-        err = capsys.readouterr().err
-        if OLD_HARNESS in mine.read_text() and "generator holds a tensor" in err:
-            pytest.xfail(f"the harness predates issue 44's load_checkpoint of several models: {err.strip()}")
-        raise AssertionError(err)
+        raise AssertionError(capsys.readouterr().err)
     for name, module in models.items():
         assert all(torch.equal(v, state[name][k]) for k, v in module.state_dict().items()), name
     for name, optimizer in optimizers.items():
@@ -154,10 +135,7 @@ def test_gan_resumes_exactly(gan, tmp_path):
     mine = write_gan(tmp_path)
     launch(mine, "--epochs", "2", "--metrics", "first.json")
     resumed = run_bounded([*torchrun_cmd(), "--standalone", "--nproc-per-node=2", mine, "--device", "cpu", *SIZES,
-                           "--resume", "--metrics", "resumed.json"], tmp_path, timeout=240, check=False)
-    if resumed.returncode and OLD_HARNESS in mine.read_text() and "generator holds a tensor" in resumed.stderr:
-        pytest.xfail("the harness predates issue 44's load_checkpoint of several models")
-    assert resumed.returncode == 0, resumed
+                           "--resume", "--metrics", "resumed.json"], tmp_path, timeout=240)
     r, w = read(tmp_path / "resumed.json"), read(whole_mine.parent / "whole.json")
     assert r["resumed_from_epoch"] == 2 and r["steps"] == (EPOCHS - 2) * STEPS_PER_EPOCH, r
     assert f"epochs 2 -> {EPOCHS}" in resumed.stdout, resumed
