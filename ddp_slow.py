@@ -7,8 +7,9 @@ the same with its fix:
   loader        each sample is read in the training process (num_workers=0; a per-sample wait, as a
                 file read gives): the step waits for its data. Fix: 4 worker processes that prefetch,
                 persistent workers, pinned memory on GPUs.
-  straggler     the last rank gets a larger share (twice the batch); every rank waits for it in the
-                all-reduce. Fix: the same work on every rank (the total split evenly).
+  straggler     the last rank's device runs at a quarter of the others' speed (a GPU shared with other
+                jobs, throttled, or older); every rank waits for it in the all-reduce. Fix: balance
+                the work by speed (that rank gets 2/5 of a batch, the other 8/5).
   accumulation  4 micro-batches a step, each backward all-reduces: 4 all-reduces instead of one.
                 Fix: no_sync() on the first 3.
   host-sync     loss.item() every step: on a GPU the host waits for the queue to drain, each step.
@@ -159,14 +160,21 @@ class Samples(Dataset):
 
 
 def batch_size_of(rank, args):
-    """A rank's batch. straggler: the last rank gets twice the others' (planted), or, fixed, the same
-    total split evenly. Every other cause: --batch_size on every rank."""
+    """A rank's batch: --batch_size, except under a fixed straggler, where the work is split by speed: the last
+    rank, 4 times slower, gets a quarter of what each other rank gets (the same total)."""
     world = dist.get_world_size()
-    if args.cause != "straggler" or world == 1:
+    if args.cause != "straggler" or not args.fix or world == 1:
         return args.batch_size
-    if args.fix:
-        return args.batch_size * (world + 1) // world
-    return args.batch_size * (2 if rank == world - 1 else 1)
+    slow = world * args.batch_size // (4 * world - 3)
+    return slow if rank == world - 1 else (world * args.batch_size - slow) // (world - 1)
+
+
+def slower_device(forward_s, args):
+    """straggler: the last rank's device runs at a quarter of the others' speed. Before its backward it waits
+    3 times what its forward and backward take (3 x the forward: the backward takes about twice the forward);
+    a wait, as for a slower GPU, so it takes no core from the others."""
+    if args.cause == "straggler" and dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(3 * 3 * forward_s)
 
 
 def make_loader(device, args):
@@ -182,8 +190,8 @@ def make_loader(device, args):
 
 
 def batches(loader):
-    """Batches without end, a new shuffle each epoch: the ranks' epochs may differ in length (straggler),
-    their steps may not."""
+    """Batches without end, a new shuffle each epoch: the ranks' epochs may differ in length (a fixed
+    straggler), their steps may not."""
     epoch = 0
     while True:
         loader.sampler.set_epoch(epoch)
@@ -217,7 +225,9 @@ def train_step(model, optimizer, data, clock, device, args):
         # accumulation: every backward all-reduces (planted); fixed, only the last micro-batch's does
         sync = k == args.micro - 1 or not args.fix
         with model.no_sync() if not sync else contextlib.nullcontext():
+            start = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
+            slower_device(time.perf_counter() - start, args)  # straggler: the others wait in the all-reduce
             (loss / args.micro).backward()
         clock.backward_done()
         sums += torch.stack([loss.detach().double() * len(y), sums.new_tensor(len(y))])
@@ -262,7 +272,7 @@ def report(losses, seconds, in_sync, verdict, args):
     """Rank 0 writes the metrics and prints the `done:` line."""
     steady = seconds[WARMUP:] or seconds
     step_ms = 1000 * statistics.median(steady)
-    # samples a step, every rank's: straggler's fix keeps the total, so samples_per_s compares the two
+    # samples a step, every rank's (the same total planted and fixed: samples_per_s compares the two)
     samples = args.micro * sum(batch_size_of(rank, args) for rank in range(dist.get_world_size()))
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
@@ -452,7 +462,7 @@ def diagnose(rows, find_unused):
     mean = [sum(s[i] for s in share) / len(share) for i in range(5)]
     micro, reads = rows[0][6] / steps[0], max(r[7] / s for r, s in zip(rows, steps))
     verdict = "none"
-    if len(rows) > 1 and busy[slow] > 1.6 * busy[fast] and share[fast][2] > 0.25:
+    if len(rows) > 1 and busy[slow] > 1.8 * busy[fast] and share[fast][2] > 0.25:
         verdict = "straggler"  # one rank works longer, the others wait for it in the all-reduce
     elif max(s[0] for s in share) > 0.35:
         verdict = "loader"
