@@ -422,7 +422,7 @@ class StepClock:
         return torch.stack(every).tolist()
 
 
-def threads_fight(size=256, repeats=20):
+def threads_fight(size=256, repeats=5):
     """True when this process's CPU threads buy no speed: the same matrix products, with its threads and with
     one, timed at once on every process of the machine (call it on all of them together, e.g. after DDP())."""
     threads = torch.get_num_threads()
@@ -462,12 +462,12 @@ def diagnose(rows, find_unused):
     mean = [sum(s[i] for s in share) / len(share) for i in range(5)]
     micro, reads = rows[0][6] / steps[0], max(r[7] / s for r, s in zip(rows, steps))
     verdict = "none"
-    if len(rows) > 1 and busy[slow] > 1.8 * busy[fast] and share[fast][2] > 0.25:
+    if any(r[10] for r in rows):  # first: fighting threads also make one rank late at random
+        verdict = "threads"
+    elif len(rows) > 1 and busy[slow] > 2.5 * busy[fast] and share[fast][2] > 0.25:
         verdict = "straggler"  # one rank works longer, the others wait for it in the all-reduce
     elif max(s[0] for s in share) > 0.35:
         verdict = "loader"
-    elif any(r[10] for r in rows):
-        verdict = "threads"
     elif micro > 1 and mean[2] > 0.15:  # more than one all-reduce a step: the waits add up
         verdict = "accumulation"
     elif mean[2] > 0.45:  # one all-reduce a step, and most of the step waits for it
