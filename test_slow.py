@@ -53,7 +53,7 @@ def straggler(tmp_path_factory):
     """The default tier's one launch: a planted straggler, traced by --profile."""
     work = tmp_path_factory.mktemp("straggler")
     (work / "traces").mkdir()
-    r = launch(work, "straggler", "--profile", "traces")
+    r = launch(work, "straggler", "--profile", "traces", steps=12)
     r.work = work
     return r
 
@@ -61,7 +61,7 @@ def straggler(tmp_path_factory):
 @GROUP
 def test_a_straggler_is_named_by_its_rank(straggler):
     r, m = straggler, straggler.metrics
-    assert_trained(r, "straggler", False, 20)
+    assert_trained(r, "straggler", False, 12)
     assert m["verdict"] == "straggler" and m["slowest_rank"] == 1 == m["busiest_rank"], r
     # the contract's keys, and what the verdict rests on
     assert {"cause", "fixed", "step_ms", "verdict", "slowest_rank", "shares", "diagnosis_overhead"} <= set(m), m
@@ -75,7 +75,7 @@ def test_every_report_is_one_table_and_one_verdict(straggler):
     out = straggler.stdout
     tables = re.findall(r"^(steps to \d+|whole run): where a step's time goes\nrank \| ms/step \| .*\n"
                         r"(   0 \| .*)\n(   1 \| .*)\nverdict: (\S+)", out, re.M)
-    assert [t[0] for t in tables] == ["steps to 10", "steps to 20", "whole run"], out
+    assert [t[0] for t in tables] == ["steps to 10", "steps to 12", "whole run"], out
     assert tables[-1][3] == "straggler" and "verdict: straggler (rank 1): give that rank" in out, out
     for _, row0, row1, _ in tables:  # five shares that add up to the step, on each rank
         for row in (row0, row1):
