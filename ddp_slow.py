@@ -268,7 +268,7 @@ def train(model, optimizer, data, clock, device, args):
 
 
 # ---------------------------------------------------------------- report
-def report(losses, seconds, in_sync, verdict, args):
+def report(losses, seconds, in_sync, verdict, batches_per_epoch, args):
     """Rank 0 writes the metrics and prints the `done:` line."""
     steady = seconds[WARMUP:] or seconds
     step_ms = 1000 * statistics.median(steady)
@@ -276,8 +276,9 @@ def report(losses, seconds, in_sync, verdict, args):
     samples = args.micro * sum(batch_size_of(rank, args) for rank in range(dist.get_world_size()))
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
-        "device": args.device, "torch": torch.__version__, "epochs": 1, "steps": len(seconds),
-        "steps_per_epoch": len(seconds), "batch_size": args.batch_size, "micro_batches": args.micro,
+        "device": args.device, "torch": torch.__version__, "steps": len(seconds),
+        "epochs": -(-len(seconds) * args.micro // batches_per_epoch),  # passes begun over this rank's shard
+        "steps_per_epoch": batches_per_epoch // args.micro, "batch_size": args.batch_size, "micro_batches": args.micro,
         "elapsed_s": sum(seconds), "samples_per_s": 1000 * samples / step_ms, "first_loss": losses[0],
         "final_loss": losses[-1], "losses": losses, "replicas_in_sync": in_sync, "resumed_from_epoch": 0,
         "cause": args.cause, "fixed": args.fix, "step_ms": step_ms, "samples_per_step": samples,
@@ -307,7 +308,7 @@ def main():
             losses, seconds = train(model, optimizer, batches(loader), clock, device, args)
             verdict = clock.report(args.max_steps, final=True)
             in_sync = replicas_in_sync(model.module, device)
-            report(losses, seconds, in_sync, verdict, args)
+            report(losses, seconds, in_sync, verdict, len(loader), args)
             del model, optimizer, clock
     finally:
         cleanup()
