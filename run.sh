@@ -286,6 +286,24 @@ run_unused() {
             "m['checks']['max_difference_static_vs_find_unused'] < 1e-5"
 }
 
+extra_mode slow "ddp_slow.py: a straggler planted (the verdict names the last rank), then fixed (faster, no straggler verdict)"
+run_slow() {
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_slow.py" --cause straggler --max_steps 30 \
+        --metrics planted.json > planted.txt && grep '^verdict:' planted.txt | tail -1 \
+    && check_metrics planted.json "m['verdict'] == 'straggler'" "m['slowest_rank'] == m['world_size'] - 1" \
+        "m['final_loss'] < m['first_loss']" \
+    && "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_slow.py" --cause straggler --fix --max_steps 30 \
+        --metrics fixed.json > fixed.txt && grep '^verdict:' fixed.txt | tail -1 \
+    && check_metrics fixed.json "m['verdict'] != 'straggler'" "m['final_loss'] < m['first_loss']" \
+    && "$PY" - <<'EOF'
+import json, sys
+planted, fixed = (json.load(open(name)) for name in ("planted.json", "fixed.json"))
+ratio = fixed["samples_per_s"] / planted["samples_per_s"]
+print(f"ok: fixed, {ratio:.2f}x the samples a second ({planted['step_ms']:.1f} -> {fixed['step_ms']:.1f} ms a step)")
+sys.exit(ratio <= 1)
+EOF
+}
+
 extra_mode fsdp "fsdp_transformer.py: FSDP2 on N processes, its sharded checkpoint resumed by 1, --export loaded by ddp_transformer.py"
 run_fsdp() {
     local cmd=("$HERE/fsdp_transformer.py" --sample 0 --checkpoint ck)

@@ -32,6 +32,7 @@ TAKES = {
     "ddp_comm_hooks.py": COMMON,
     "ddp_unused.py": COMMON,
     "ddp_desync.py": COMMON | {"--checkpoint", "--resume"},
+    "ddp_slow.py": COMMON - {"--epochs"},  # it trains --max_steps
     "dp_baseline.py": COMMON | {"--nprocs"},
 }
 TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_template.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",

@@ -8,7 +8,7 @@ ddp_group() trains and a mismatched collective is still caught; the namer names 
 layers; a NaN on rank 1 is skipped by both ranks; the atomic save survives a writer that raises
 and a planted link; then one rank skips backward() alone, both give up after the timeout and
 dump their flight record, torchfrtrace reads it, and the cleanup frees the DDP models before the
-group goes. A torchrun launch with --max-restarts=1 checks the store: rank 1 of the first
+group goes; the step clock, timing the steps, names rank 1 (30 ms late each step) the straggler. A torchrun launch with --max-restarts=1 checks the store: rank 1 of the first
 attempt exits, the second attempt trains to the end. Every check was seen to fail once with its
 block broken by hand.
 """
@@ -35,7 +35,8 @@ TOGETHER = "Deciding together: a NaN step skipped on every rank"
 RELEASE = "Release DDP before destroying the group"
 ATOMIC = "The atomic save"
 STORE = "A process group that survives torchrun's restarts"
-EVERY = (DETAIL_GROUP, FLIGHT, UNUSED, TOGETHER, RELEASE, ATOMIC, STORE)
+CLOCK = "Where a step's time goes"
+EVERY = (DETAIL_GROUP, FLIGHT, UNUSED, TOGETHER, RELEASE, ATOMIC, STORE, CLOCK)
 # torch's flight-recorder analyzer, as a user runs it: the `torchfrtrace` installed beside torchrun
 ANALYZER = next(([str(p)] for p in [Path(sys.executable).parent / "torchfrtrace"] if p.exists()),
                 [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace"])
@@ -219,21 +220,29 @@ def train(work, timeout, skipper, kept):
     model = DDP(Net(), process_group=ddp_group(timeout), find_unused_parameters=True)
     kept.append(weakref.ref(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clock = StepClock(model, torch.device("cpu"), skip=1)
     steps = 0
     for step in range(1, 7):
         x, y = batch(step)
+        clock.data_ready()
         if step == 3 and dist.get_rank() == 1:
             x[0, 0] = float("nan")
         loss = F.mse_loss(model(x), y)
         if skip_this_step(loss):
             say("skipped step", step)
             continue
+        if dist.get_rank() == 1:
+            time.sleep(0.03)  # rank 1 is a straggler: its backward starts 30 ms after rank 0's
         optimizer.zero_grad()
         loss.backward()
+        clock.backward_done()
         if step == 1:
             say("find_unused_parameters, no grad:", sorted(params_without_grad(model)))
         optimizer.step()
+        clock.step_done()
         steps += 1
+    found = clock.report(6, final=True)
+    say("clock:", found["verdict"], found["slowest_rank"], f"{found['diagnosis_overhead']:.4f}")
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     every = [torch.empty_like(weights) for _ in range(2)]
     dist.all_gather(every, weights)
@@ -339,6 +348,19 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(hand_run):
         assert [line for line in lines(ranks, rank) if "skipped step" in line] == [f"rank {rank}: skipped step 3"], \
             shown(ranks)
         assert said(ranks, rank, "steps taken") == "5 | replicas agree: True", shown(ranks)
+
+
+@BY_HAND
+def test_step_clock_names_the_straggler(hand_run):
+    """The clock pasted: rank 1 starts each backward 30 ms late, rank 0 waits for it in the all-reduce;
+    every rank gets the verdict, rank 0 prints the table (5 steps, the first left out)."""
+    _, _, ranks = hand_run
+    for rank in (0, 1):
+        verdict, slowest, overhead = (said(ranks, rank, "clock:") or "- - -").split()
+        assert (verdict, slowest) == ("straggler", "1") and float(overhead) < 0.05, shown(ranks)
+    table = re.search(r"^whole run: where a step's time goes\nrank \| .*\n   0 \| .*\n   1 \| .*\n"
+                      r"verdict: straggler \(rank 1\): ", ranks[0][1], re.M)
+    assert table and "where a step's time goes" not in ranks[1][1], shown(ranks)
 
 
 @BY_HAND
