@@ -304,7 +304,8 @@ def main():
             model, optimizer = build(device, args)
             clock = StepClock(model, device, skip=WARMUP) if args.diagnosis == "on" else NoClock()
             print0(f"--cause {args.cause}{' --fix' if args.fix else ''} | {args.max_steps} steps of "
-                   f"{args.micro} x {batch_size_of(dist.get_rank(), args)} samples per rank | {torch.get_num_threads()} threads")
+                   f"{args.micro} x {batch_size_of(dist.get_rank(), args)} samples per rank | "
+                   f"{plural(torch.get_num_threads(), 'thread')}")
             losses, seconds = train(model, optimizer, batches(loader), clock, device, args)
             verdict = clock.report(args.max_steps, final=True)
             in_sync = replicas_in_sync(model.module, device)

@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 GUIDE = ROOT / "docs" / "porting.md"
 BANNER = "# ---- beyond the lesson"
+TEMPLATE = pytest.mark.xdist_group("porting_template")  # one worker each: the module's launches are shared
+LSTM_GROUP = pytest.mark.xdist_group("porting_lstm")
 
 
 def blocks(heading):
@@ -79,10 +81,10 @@ def template(mine, *args):
 
 
 @pytest.fixture(scope="module")
-def template_runs(tmp_path_factory):
+def template_run(tmp_path_factory):
     """The README's three steps followed literally (test_newcomer's lines at the `# PORT` marks of a copy,
-    mine.py) in a folder where the template's own checkpoint lies; launched at 2 processes for 2 epochs
-    under TORCH_DISTRIBUTED_DEBUG=DETAIL, then resumed to 3."""
+    mine.py) in a folder where the template's own checkpoint lies; launched at 2 processes for 3 epochs
+    under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
     import torch
     from conftest import cpu_env, run_bounded
     from test_newcomer import port as readme_port
@@ -93,49 +95,87 @@ def template_runs(tmp_path_factory):
     torch.save({"model": torch.nn.Linear(20, 1).state_dict(), "optimizer": {"state": {}, "param_groups": []},
                 "epoch": 5, "job": "an-earlier-job", "world_size": 2}, original)
     before = original.read_bytes()
-    first = run_bounded(template(mine, "--epochs", "2", "--metrics", "first.json"), work, timeout=180,
+    first = run_bounded(template(mine, "--epochs", "3", "--metrics", "first.json"), work, timeout=180,
                         env=cpu_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
-    resumed = run_bounded(template(mine, "--epochs", "3", "--resume", "--metrics", "resumed.json"), work, timeout=180)
     assert original.read_bytes() == before, "the original's checkpoint was touched"
-    return work, first, resumed
+    return work, first
 
 
-def test_template_learns_validates_exactly_and_survives_detail(template_runs):
-    work, first, resumed = template_runs
-    m = read(work / "resumed.json")
+@TEMPLATE
+def test_template_learns_validates_exactly_and_survives_detail(template_run):
+    work, first = template_run
+    m = read(work / "first.json")
     # 3095 training samples (4096 less the 1001 held out) in steps of 64 x 2
-    assert m["script"] == "mine.py" and m["world_size"] == 2 and m["epochs"] == 3 and m["steps"] == 25 == m["steps_per_epoch"], m
+    assert m["script"] == "mine.py" and m["world_size"] == 2 and m["epochs"] == 3, m
+    assert m["steps"] == 3 * 25 and m["steps_per_epoch"] == 25 and m["resumed_from_epoch"] == 0, m
     assert m["val_samples"] == 1001 and m["val_accuracy"] > 0.9 and m["val_loss"] < 0.5 * m["val_losses"][0], m
     assert m["final_loss"] < 0.5 * m["first_loss"] and m["final_loss"] < 0.25 and m["replicas_in_sync"], m
     assert m["best_val_loss"] == min(m["val_losses"]), m
     # DETAIL checks every collective; DDP's own group is the unchecked one (a checked one: SIGSEGV)
-    d = read(work / "first.json")
-    assert d["epochs"] == 2 and d["replicas_in_sync"] and "replicas: in sync (2 ranks" in first.stdout, first
-    for run in (first, resumed):
-        assert "Traceback" not in run.stderr and "error" not in run.stderr.lower().replace("error_file", ""), run
+    assert "replicas: in sync (2 ranks" in first.stdout and "epoch 3, step 75 |" in first.stdout, first
+    assert "Traceback" not in first.stderr and "error" not in first.stderr.lower().replace("error_file", ""), first
 
 
-def test_template_checkpoint_holds_the_whole_run(template_runs):
+@TEMPLATE
+def test_template_checkpoint_holds_the_whole_run(template_run):
     import torch
-    work, _, resumed = template_runs
-    r = read(work / "resumed.json")
-    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 25, resumed
-    assert "epoch 3, step 75 |" in resumed.stdout, resumed
-    assert len(r["losses"]) == 3 and r["losses"][:2] == read(work / "first.json")["losses"], r
+    work, _ = template_run
     state = torch.load(work / "mine.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "progress", "job", "world_size"} <= set(state)
     assert (state["epoch"], state["step"], state["world_size"]) == (3, 75, 2), state["progress"]
     assert state["scheduler"]["last_epoch"] == 75 and len(state["progress"]["history"]) == 3
 
 
-@pytest.mark.slow  # a third launch; the default tier checks what the checkpoint holds
-def test_template_resumes_exactly(template_runs, launch, tmp_path):
+def test_template_resume_restores_every_entry_and_refuses_a_foreign_one(tmp_path, monkeypatch, capsys):
+    """save() then resume() in this process, on a world of one: the weights, the optimizer, the schedule and
+    the progress come back; a schedule entry of another kind is one line, exit 2."""
+    import importlib.util
+    import torch
+    import torch.distributed as dist
+    spec = importlib.util.spec_from_file_location("ddp_template_in_process", ROOT / "ddp_template.py")
+    t = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(t)
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    args = t.parse_args(["--device", "cpu", "--checkpoint", str(tmp_path / "t.pt"), "--hidden", "8"])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model, optimizer, scheduler, scaler = t.build(args, torch.device("cpu"))
+        model(torch.randn(4, 32)).sum().backward()
+        optimizer.step()
+        for _ in range(30):
+            scheduler.step()
+        progress = {"epoch": 2, "step": 30, "best_val_loss": 0.5, "history": [{"epoch": 1}, {"epoch": 2}]}
+        t.save(model, optimizer, scheduler, scaler, progress, args)
+        args.resume = True
+        fresh = t.build(args, torch.device("cpu"))
+        back = t.resume(*fresh, args, steps_per_epoch=15)
+        assert back == progress and fresh[2].state_dict() == scheduler.state_dict(), back
+        assert all(torch.equal(a, b) for a, b in zip(fresh[0].state_dict().values(), model.state_dict().values()))
+        assert fresh[1].state_dict()["state"][0]["step"] == 1
+        state = torch.load(args.checkpoint, weights_only=True)
+        state["scheduler"] = torch.optim.lr_scheduler.StepLR(fresh[1], 5).state_dict()  # another schedule
+        torch.save(state, args.checkpoint)
+        with pytest.raises(SystemExit) as exit_:
+            t.resume(*t.build(args, torch.device("cpu")), args, steps_per_epoch=15)
+        assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+            f"error: {args.checkpoint} is not a checkpoint of this script: its scheduler entry is not this run's "
+            "scheduler (delete it to start afresh, or point --checkpoint at one this script wrote)"]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two more launches; the default tier checks what the checkpoint holds, and resume() in process
+def test_template_resumes_exactly(template_run, launch, tmp_path):
     """Stopped after epoch 2 and resumed to 3: the weights of the uninterrupted 3 epochs, bit for bit (the
     sampler, the per-rank dropout seeds, the schedule and the optimizer all continue where they were)."""
-    work, _, resumed = template_runs
-    whole = launch(template(work / "mine.py", "--epochs", "3", "--checkpoint", "whole.pt", "--metrics", "whole.json"),
-                   timeout=180)
-    r, w = read(work / "resumed.json"), read(tmp_path / "whole.json")
+    work, whole = template_run
+    mine = work / "mine.py"
+    launch(template(mine, "--epochs", "2", "--checkpoint", "part.pt"), timeout=180)
+    resumed = launch(template(mine, "--epochs", "3", "--checkpoint", "part.pt", "--resume", "--metrics", "r.json"),
+                     timeout=180)
+    r, w = read(tmp_path / "r.json"), read(work / "first.json")
+    assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 25, resumed
     assert fingerprint(resumed.stdout) == fingerprint(whole.stdout), (resumed, whole)
     assert r["losses"] == w["losses"] and r["val_losses"] == w["val_losses"], (r, w)
 
@@ -182,6 +222,7 @@ def lstm_run(tmp_path_factory):
     return work, mine, two
 
 
+@LSTM_GROUP
 def test_lstm_port_learns(lstm_run):
     work, _, two = lstm_run
     m2 = read(work / "two.json")
@@ -190,6 +231,7 @@ def test_lstm_port_learns(lstm_run):
     assert m2["val_ppl"] < 9 and m2["val_tokens"] > 1400, m2  # 26 words: chance is a perplexity of 26
 
 
+@LSTM_GROUP
 @pytest.mark.slow  # a second launch; the default tier checks that the port learns
 def test_lstm_port_matches_its_world_of_one(lstm_run, launch):
     """1 process of 20 columns reads the same columns as 2 of 10, and the averaged gradient is the same."""
@@ -204,6 +246,7 @@ def test_lstm_port_matches_its_world_of_one(lstm_run, launch):
     assert m2["losses"] == pytest.approx(m1["losses"], rel=1e-6), (m2, m1)
 
 
+@LSTM_GROUP
 def test_ranks_draw_differently(lstm_run):
     """seed_this_rank: every rank its own draws (dropout masks, noise), each epoch new ones."""
     _, _, two = lstm_run
@@ -212,8 +255,18 @@ def test_ranks_draw_differently(lstm_run):
     assert len(set(draws.values())) == 4, draws
 
 
-def test_lstm_port_refuses_a_mistyped_data_folder(lstm_run, launch):
+@LSTM_GROUP
+def test_lstm_port_refuses_a_mistyped_data_folder(lstm_run, monkeypatch, capsys):
+    """The section's check, in process: a --data folder without train.txt is one line, exit 2."""
+    import importlib.util
     work, mine, _ = lstm_run
-    r = launch([sys.executable, mine, "--device", "cpu", "--data", "corpu"], cwd=work, timeout=60, check=False)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: no train.txt in corpu (pass --data a folder holding train.txt and valid.txt)"], r
+    spec = importlib.util.spec_from_file_location("lstm_port", mine)
+    port_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(port_module)
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mine.py", "--data", "corpu"])
+    with pytest.raises(SystemExit) as exit_:
+        port_module.check_args(port_module.parse_args(["--device", "cpu", "--data", "corpu"]))
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "error: no train.txt in corpu (pass --data a folder holding train.txt and valid.txt)"]
