@@ -336,9 +336,10 @@ class StepClock:
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.find_unused = getattr(model, "find_unused_parameters", False) and not getattr(model, "static_graph", 0)
         self.threads_fight = not self.events and threads_fight()
-        # per window: 5 parts (ms), steps, micro-batches, reads, backwards that reached every parameter, own ms
-        self.window, self.total = [0.0] * 10, [0.0] * 10
-        self.pending, self.steps, self.grads = [], 0, 0
+        # per window: 5 parts (ms), steps, micro-batches, reads, backwards that reached every parameter, own ms,
+        # and the comm wait of a step's backwards but its longest (several all-reduces a step: accumulation)
+        self.window, self.total = [0.0] * 11, [0.0] * 11
+        self.pending, self.steps, self.grads, self.waits = [], 0, 0, []
         self.mark = self.ready = self._now()
 
     def _now(self):
@@ -357,9 +358,10 @@ class StepClock:
 
     def _add(self, part, start, end):
         if self.events:  # read in report(), once the device has passed them
-            self.pending.append((part, start, end))
+            self.pending.append((part, start, end, self.steps))
         else:
             self.window[part] += 1000 * (end - start)
+            self.waits += [1000 * (end - start)] if part == 2 else []
 
     def data_ready(self):
         t0 = time.perf_counter()
@@ -386,8 +388,10 @@ class StepClock:
         self._add(3, self.mark, now)
         self.mark, self.steps = now, self.steps + 1
         self.window[5] += 1
+        self.window[10] += sum(self.waits) - max(self.waits, default=0.0)
+        self.waits = []
         if self.steps <= self.skip:  # warm-up: forgotten
-            self.window, self.pending = [0.0] * 10, []
+            self.window, self.pending = [0.0] * 11, []
         self.window[9] += 1000 * (time.perf_counter() - t0)
 
     @contextlib.contextmanager
@@ -405,13 +409,16 @@ class StepClock:
         t0 = time.perf_counter()
         if self.events:
             torch.accelerator.synchronize(self.device)  # the only wait for the device: once a report
-            for part, start, end in self.pending:
+            waits = {}
+            for part, start, end, step in self.pending:
                 self.window[part] += start.elapsed_time(end)
+                waits.setdefault(step, []).extend([start.elapsed_time(end)] if part == 2 else [])
+            self.window[10] += sum(sum(w) - max(w, default=0.0) for w in waits.values())
             self.pending = []
         self.window[9] += 1000 * (time.perf_counter() - t0)
         self.total = [a + b for a, b in zip(self.total, self.window)]
         rows = self._gather(self.total if final else self.window)
-        self.window = [0.0] * 10
+        self.window = [0.0] * 11
         found = diagnose(rows, self.find_unused)
         if dist.get_rank() == 0:
             print(table(step, rows, found, final), flush=True)
@@ -458,8 +465,9 @@ FIXES = {"loader": "DataLoader workers that read ahead (num_workers, persistent_
 
 
 def diagnose(rows, find_unused):
-    """The verdict from every rank's row (5 parts in ms, steps, micro-batches, reads, full backwards, own ms,
-    threads fight): the first cause whose signal is clear, in the order that one cause masks the next."""
+    """The verdict from every rank's row (5 parts in ms, steps, micro-batches, reads, full backwards, own ms, the
+    waits of a step's backwards but its longest, threads fight): the first cause whose signal is clear, in the
+    order that one cause masks the next."""
     steps = [max(r[5], 1) for r in rows]
     per_step = [[r[i] / s for i in range(5)] for r, s in zip(rows, steps)]
     step_ms = [sum(p) for p in per_step]
@@ -468,14 +476,15 @@ def diagnose(rows, find_unused):
     slow, fast = busy.index(max(busy)), busy.index(min(busy))
     mean = [sum(s[i] for s in share) / len(share) for i in range(5)]
     micro, reads = rows[0][6] / steps[0], max(r[7] / s for r, s in zip(rows, steps))
+    spread = sum(r[10] for r in rows) / max(sum(sum(r[:5]) for r in rows), 1e-9)  # waits beside a step's longest
     verdict = "none"
-    if any(r[10] for r in rows):  # first: fighting threads also make one rank late at random
+    if any(r[11] for r in rows):  # first: fighting threads also make one rank late at random
         verdict = "threads"
     elif len(rows) > 1 and busy[slow] > 2.5 * busy[fast] and share[fast][2] > 0.25:
         verdict = "straggler"  # one rank works longer, the others wait for it in the all-reduce
     elif max(s[0] for s in share) > 0.35:
         verdict = "loader"
-    elif micro > 1 and mean[2] > 0.11:  # more than one all-reduce a step: the waits add up
+    elif micro > 1 and spread > 0.04:  # several backwards a step wait for an all-reduce, not only the last
         verdict = "accumulation"
     elif mean[2] > 0.45:  # one all-reduce a step, and most of the step waits for it
         verdict = "small-batch"
