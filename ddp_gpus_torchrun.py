@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -88,7 +89,7 @@ def setup(args):
         device = torch.device("cpu")
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
+                            store=attempt_store(rank, world_size, args.timeout),  # torchrun >= 2.5 restarts: pytorch#135712
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
     return device
@@ -131,6 +132,7 @@ class Trainer:
         model.to(device)
         self.save_every, self.snapshot_path = save_every, snapshot_path
         self.epochs_run = self._load_snapshot(model, resume)
+        # ddp_group: None; under TORCH_DISTRIBUTED_DEBUG=DETAIL a group DDP can take (torch 2.14, 2.15 segfault on gloo's checked one)
         self.model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(timeout))
         self.steps = 0
 
@@ -231,6 +233,7 @@ def report(history, elapsed, steps, steps_per_epoch, resumed_from, in_sync, devi
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
+@record  # under torchrun, an uncaught exception's traceback is its report's root cause
 def main():
     args = check_args(parse_args())
     prepare_rendezvous(args)  # one process of the job: torchrun set its RANK (plain `python`: a world of one)
@@ -289,20 +292,19 @@ def fail(what, fix, every_rank=False, every_node=False):
     if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 4
     sys.exit(2)
 
 
 def report_error(line):
-    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
-    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
-    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, in the format torch's @record
+    writes; @record records an exception, never a SystemExit, so a line that exits 2 is written here). Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
     line = shown(line)
     print0(line, sys.stderr, every_rank=True)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
-            stamp = str(int(time.time()) - 1)
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 def shown(text):

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
@@ -72,8 +73,7 @@ def parse_args(argv=None):
     add_job_args(p)
     add_own_image_args(p)  # --max_pixels, --predict: beyond the lesson
     add_gpu_args(p)  # --gpu: beyond the lesson
-    p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
-                   help=argparse.SUPPRESS)  # passed by the deprecated torch.distributed.launch
+    p.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank", help=argparse.SUPPRESS)  # old launcher
     refuse_launcher_flags(argv)  # --nprocs: a line on how torchrun launches this script
     return p.parse_args(argv)
 
@@ -152,8 +152,7 @@ def check_args(args):
 
 
 def check_launch(args):
-    """torchrun starts the processes; LOCAL_RANK picks this one's GPU (prepare_rendezvous checks it, once filled
-    in). Restarted by torchrun (a failure, a node joined or left), the job continues its own checkpoint unasked."""
+    """torchrun starts the processes (LOCAL_RANK: this one's GPU); restarted, the job continues its own checkpoint."""
 
 
 # ---------------------------------------------------------------- process group
@@ -172,7 +171,7 @@ def setup(args):
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout),
-                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
+                            store=attempt_store(rank, world_size, args.timeout),  # torchrun >= 2.5 restarts: pytorch#135712
                             device_id=device if args.backend == "nccl" else None)
     return device
 
@@ -447,6 +446,7 @@ def train(device, args):
     # built before the clock starts: DDP's constructor waits for the slowest rank to arrive. no_buffer_broadcast:
     # by default DDP broadcasts rank 0's BatchNorm statistics before every forward, one more collective per step;
     # SyncBatchNorm keeps them equal on GPUs, and on CPU sync_buffers() hands rank 0's (the saved ones) to all.
+    # ddp_group: None; under TORCH_DISTRIBUTED_DEBUG=DETAIL a group DDP can take (torch 2.14, 2.15 segfault on gloo's checked one)
     ddp = None if args.evaluate else DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
                                          **no_buffer_broadcast(), process_group=ddp_group(args.timeout))
     history, start = [], time.perf_counter()
@@ -498,6 +498,7 @@ def report(history, elapsed, start_epoch, train_loader, in_sync, result, data, d
            f"replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
+@record  # under torchrun, an uncaught exception's traceback is its report's root cause
 def main():
     """One process of the job; torchrun (or the user) describes the job in the environment."""
     args = check_args(parse_args())
@@ -937,20 +938,19 @@ def fail(what, fix, every_rank=False, every_node=False):
     if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 4
     sys.exit(2)
 
 
 def report_error(line):
-    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
-    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
-    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, in the format torch's @record
+    writes; @record records an exception, never a SystemExit, so a line that exits 2 is written here). Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
     line = shown(line)
     print0(line, sys.stderr, every_rank=True)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
-            stamp = str(int(time.time()) - 1)
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 def shown(text):

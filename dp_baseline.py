@@ -278,6 +278,7 @@ def train_ddp(device, args):
     """One DDP process: the same model and data, a 1/world share of every global batch."""
     torch.manual_seed(args.seed)  # the single-process run's initial weights (DDP broadcasts rank 0's)
     model = SimpleModel().to(device)
+    # ddp_group: None; under TORCH_DISTRIBUTED_DEBUG=DETAIL a group DDP can take (torch 2.14, 2.15 segfault on gloo's checked one)
     ddp_model = DDP(model, device_ids=[device.index] if device.type != "cpu" else None, process_group=ddp_group(args.timeout))
     world = dist.get_world_size()
     threads = torch.get_num_threads() if device.type == "cpu" else None
@@ -471,20 +472,19 @@ def fail(what, fix, every_rank=False, every_node=False):
     if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 4
     sys.exit(2)
 
 
 def report_error(line):
-    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
-    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
-    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, in the format torch's @record
+    writes; @record records an exception, never a SystemExit, so a line that exits 2 is written here). Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
     line = shown(line)
     print0(line, sys.stderr, every_rank=True)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
-            stamp = str(int(time.time()) - 1)
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 def shown(text):

@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import Dataset, DistributedSampler
 
 try:  # torch 2.6+ (fully_shard in torch.distributed.fsdp); torch 2.7 is this collection's floor
@@ -258,7 +259,7 @@ def setup(args):
         device = torch.device("cpu")
     # device_id: NCCL builds its communicator now, so a bad GPU or network fails here, not at step 1
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
+                            store=attempt_store(rank, world_size, args.timeout),  # torchrun >= 2.5 restarts: pytorch#135712
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
     args.amp = resolve_amp(args.amp, device)  # after set_device: it asks this process's GPU, not GPU 0
@@ -795,6 +796,7 @@ def train(device, args, corpus, checkpoint):
 
 
 # ---------------------------------------------------------------- main
+@record  # under torchrun, an uncaught exception's traceback is its report's root cause
 def main():
     """One process of the job; torchrun (or the user) describes the job in the environment."""
     args = check_args(parse_args())
@@ -1588,20 +1590,19 @@ def fail(what, fix, every_rank=False, every_node=False):
     if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-        time.sleep(30)  # bounded; the launcher stops this process once rank 0 has exited
+        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 4
     sys.exit(2)
 
 
 def report_error(line):
-    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, as @record writes it),
-    stamped a second early: torchrun names the earliest as the root cause, so the rank that found it.
-    Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
+    """On stderr, and to torchrun as this worker's error (TORCHELASTIC_ERROR_FILE, in the format torch's @record
+    writes; @record records an exception, never a SystemExit, so a line that exits 2 is written here). Shown (shown()): a file's newline or terminal escape in it cannot forge a second line."""
     line = shown(line)
     print0(line, sys.stderr, every_rank=True)
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with contextlib.suppress(OSError), open(path, "w") as f:
-            stamp = str(int(time.time()) - 1)
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 def shown(text):
