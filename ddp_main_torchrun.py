@@ -66,8 +66,7 @@ DEFAULT_DATA = "./data"
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpWithDefaults)
+    p = Arguments(description=__doc__.split("\n\n")[0])
     add_training_args(p)
     add_data_args(p)
     add_job_args(p)
@@ -938,7 +937,7 @@ def fail(what, fix, every_rank=False, every_node=False):
     if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
     elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 4
+        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 8
     sys.exit(2)
 
 
@@ -967,6 +966,18 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         said = "default" in (action.help or "").replace("'s default", "")
         quiet = action.default is None or action.default is False  # `is`: 0 == False, and a default 0 is said
         return action.help if said or quiet else super()._get_help_string(action)
+
+
+class Arguments(argparse.ArgumentParser):
+    """argparse's parser with each default in the help, no abbreviations (`--batch` was ambiguous between
+    --batch_size and --batch-size), and a mistake as one line by rank 0 (fail()): under torchrun every process
+    parses, so argparse's usage came once per rank, and torchrun's root cause had no reason."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=HelpWithDefaults, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        fail(message, f"see {os.path.basename(sys.argv[0])} --help")
 
 
 def refuse_launcher_flags(argv=None):
