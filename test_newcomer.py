@@ -84,6 +84,34 @@ def test_a_torchrun_script_given_nprocs_says_how_to_launch_it(name, capsys):
     assert lines[0].startswith("error: ") and f"torchrun --standalone --nproc-per-node=N {name}" in lines[0]
 
 
+@pytest.mark.parametrize("name", sorted(set(TAKES) - {"ddp_minimal.py"}))
+def test_a_mistyped_flag_is_one_line_and_no_abbreviation_is_guessed(name, capsys, monkeypatch):
+    """Issue 52: `--batch` was argparse's "ambiguous option: could match --batch_size, --batch-size" with the usage;
+    abbreviations are off, and any mistake argparse finds is one `error:` line naming --help, exit 2."""
+    monkeypatch.delenv("RANK", raising=False)
+    module = load(name)
+    for argv, said in ((["--batch", "8"], "unrecognized arguments: --batch 8"),
+                       (["--seed", "x"], "invalid int value: 'x'")):
+        with pytest.raises(SystemExit) as exit_:
+            module.parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and "usage:" not in err, err
+        assert err.startswith("error: ") and said in err and "--help)" in err, err
+
+
+def test_a_mistyped_flag_under_torchrun_is_said_once_and_is_the_root_cause(launch, torchrun, script):
+    """Issue 52: every process parses, so argparse's usage and error came once per rank, and torchrun's root
+    cause said only `To enable traceback see ...`; now rank 0 says it once, and that line is the root cause."""
+    r = launch([*torchrun, "--standalone", "--nproc-per-node=2", script("ddp_gpus_torchrun.py"), "--device", "cpu",
+                "--batch", "8"], timeout=120, check=False)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and ours == ["error: unrecognized arguments: --batch 8 (see ddp_gpus_torchrun.py --help)"], r
+    assert "usage:" not in r.stderr, r
+    root = r.stderr.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2 and re.search(r"traceback\s*:\s*" + re.escape(ours[0]), root[1]), r
+    assert "exitcode  : 2" in root[1], root[1]
+
+
 def test_another_runs_checkpoint_needs_resume_and_nothing_left_says_so(tmp_path, monkeypatch, capsys):
     """continue_checkpoint (the harness): this job's checkpoint is continued unasked, another run's only
     with --resume, and without it one line names the file, its epoch, the run that wrote it and the ways on."""
