@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import struct
@@ -531,9 +532,9 @@ MNIST_TIMEOUT = 240  # generous: the machine may be shared with other test runs
 DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: any download fails at once
 
 
-def offline_env():
+def offline_env(**extra):
     return cpu_env(http_proxy=DEAD_PROXY, https_proxy=DEAD_PROXY, HTTP_PROXY=DEAD_PROXY,
-                   HTTPS_PROXY=DEAD_PROXY, no_proxy="", NO_PROXY="")
+                   HTTPS_PROXY=DEAD_PROXY, no_proxy="", NO_PROXY="", **extra)
 
 
 def load_checkpoint(path):
@@ -710,6 +711,26 @@ def test_mnist_files_and_bf16(launch, script, metrics, tmp_path):
     correct, fp32_loss = evaluate_here(model, normalized, test_labels.long())
     assert abs(round(m["test_accuracy"] * 101) - correct) <= 2
     assert m["test_loss"] != fp32_loss and m["test_loss"] == pytest.approx(fp32_loss, rel=0.1, abs=0.01)
+
+
+def test_mnist_on_two_nodes_without_data(launch, script, metrics, torchrun, tmp_path):
+    """Two torchrun agents as two nodes on this machine (--nnodes=2 --node-rank=0/1, as run.sh's nodes mode), MNIST's
+    files in the default ./data, no --data: the second node's first process (rank 1, LOCAL_RANK 0) looks for them
+    there too. Before issue 52 it looked in None (a TypeError) and the job ended "lost rank 1"."""
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    for prefix, n, seed in (("train", 128, 1), ("t10k", 64, 2)):
+        write_idx(raw, prefix, *striped_digits(n, seed))
+    port = free_port()
+    nodes = [shlex.join([*torchrun, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                         "--master-addr=127.0.0.1", f"--master-port={port}", script("ddp_main_torchrun.py"),
+                         "--device", "cpu", "-e", "1", "--timeout", "60", "--metrics", "m.json"]) for node in (0, 1)]
+    result = launch(["bash", "-c", f"{nodes[0]} & node0=$!; {nodes[1]}; node1=$?; wait $node0; exit $(($? | node1))"],
+                    timeout=MNIST_TIMEOUT, env=offline_env(OMP_NUM_THREADS=1), check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, str(result)
+    m = metrics(tmp_path / "m.json")
+    assert m["world_size"] == 2 and m["dataset"] == "idx" and m["train_samples"] == 128, m
+    assert m["replicas_in_sync"] is True and "MNIST download failed" not in result.stdout, str(result)
+    assert "data: IDX files of 10 classes, 1 x 28 x 28 from ./data" in result.stdout, str(result)
 
 
 def test_mnist_missing_is_a_clear_error(launch, script, tmp_path):
