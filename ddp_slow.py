@@ -211,7 +211,9 @@ def build(device, args):
     module = make_model(args.width).to(device)
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None,
-                find_unused_parameters=args.cause == "find-unused" and not args.fix)
+                find_unused_parameters=args.cause == "find-unused" and not args.fix,
+                # torch 2.14, 2.15: SIGSEGV in DDP's constructor when its group is a DETAIL-checked gloo group
+                process_group=ddp_group(args.timeout))
     return model, optimizer
 
 
@@ -911,6 +913,25 @@ def roll_call(seconds=0.0):
         return [r for r, key in enumerate(keys) if store.check([key])]
     except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
         return None
+
+
+# ---- recipe: DETAIL-safe DDP group: DDP(..., process_group=ddp_group(timeout)) survives TORCH_DISTRIBUTED_DEBUG=DETAIL
+def ddp_group(timeout):
+    """DDP's process group: None (the default group), or under DETAIL a group of every rank created with the
+    debug level briefly OFF (a collective: every rank calls it), with the collective timeout in seconds (None:
+    torch's default for a new group, 30 minutes on gloo: it does not inherit init_process_group's). torch 2.14 and
+    2.15 end the process with SIGSEGV in DDP's constructor when its group is a checked one; DDP's gradient
+    all-reduces then go unchecked, every other collective is still checked. DETAIL is the level now or the one
+    the job was launched with (the default group was created checked even if the level was lowered since)."""
+    previous = dist.get_debug_level()
+    if dist.DebugLevel.DETAIL not in (previous, dist.DebugLevel.__members__.get(
+            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper())):
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)  # the groups created now are not wrapped in the checks
+    try:
+        return dist.new_group(timeout=None if timeout is None else timedelta(seconds=timeout))
+    finally:
+        dist.set_debug_level(previous)
 
 
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed
