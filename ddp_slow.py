@@ -9,7 +9,8 @@ the same with its fix:
                 persistent workers, pinned memory on GPUs.
   straggler     the last rank's device runs at a quarter of the others' speed (a GPU shared with other
                 jobs, throttled, or older); every rank waits for it in the all-reduce. Fix: balance
-                the work by speed (that rank gets 2/5 of a batch, the other 8/5).
+                the work by speed (that rank gets 2/5 of a batch, the other 8/5), each rank's loss
+                weighted by its share of the global batch (every sample weighs the same).
   accumulation  4 micro-batches a step, each backward all-reduces: 4 all-reduces instead of one.
                 Fix: no_sync() on the first 3.
   host-sync     loss.item() every step: on a GPU the host waits for the queue to drain, each step.
@@ -170,6 +171,11 @@ def batch_size_of(rank, args):
     return slow if rank == world - 1 else (world * args.batch_size - slow) // (world - 1)
 
 
+def global_batch(args):
+    """The samples of a micro-batch over all ranks."""
+    return sum(batch_size_of(rank, args) for rank in range(dist.get_world_size()))
+
+
 def slower_device(forward_s, args):
     """straggler: the last rank's device runs at a quarter of the others' speed. Before its backward it waits
     3 times what its forward and backward take (3 x the forward: the backward takes about twice the forward);
@@ -231,7 +237,9 @@ def train_step(model, optimizer, data, clock, device, args):
             start = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
             slower_device(time.perf_counter() - start, args)  # straggler: the others wait in the all-reduce
-            (loss / args.micro).backward()
+            # every sample weighs the same, whatever its rank's share (uneven under a fixed straggler): DDP averages
+            # the ranks' gradients, so a rank's mean loss counts len(y) / (global batch / world) times
+            (loss * len(y) * dist.get_world_size() / global_batch(args) / args.micro).backward()
         clock.backward_done()
         sums += torch.stack([loss.detach().double() * len(y), sums.new_tensor(len(y))])
     optimizer.step()
@@ -276,7 +284,7 @@ def report(losses, seconds, in_sync, verdict, batches_per_epoch, args):
     steady = seconds[WARMUP:] or seconds
     step_ms = 1000 * statistics.median(steady)
     # samples a step, every rank's (the same total planted and fixed: samples_per_s compares the two)
-    samples = args.micro * sum(batch_size_of(rank, args) for rank in range(dist.get_world_size()))
+    samples = args.micro * global_batch(args)
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": args.device, "torch": torch.__version__, "steps": len(seconds),
