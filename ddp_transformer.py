@@ -35,13 +35,13 @@ epochs of this text the steps make. The learning-rate warmup and decay are in st
 Each epoch cuts its training windows from another offset (window_offset), so that over the
 epochs every character starts a window, the same windows at any world size and on resume.
 
-torch.compile with DDP (`--compile`): wrap first, then compile, `torch.compile(DDP(model))`,
-as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at DDP's
-bucket boundaries, so a bucket's all-reduce starts while the backward pass of earlier
-layers still runs. nanoGPT compiles first, `DDP(torch.compile(model))`: DDP then sees one
-compiled backward that hands over every gradient at its end, and nothing overlaps. The
-overlap pays where the all-reduce takes time (GPUs, several 25 MB buckets); on 2 CPU
-processes neither order was faster (the figures: COMPILE_TIME). On CPU it shows how, not speed.
+torch.compile with DDP (`--compile`): `torch.compile(DDP(model))`. TorchDynamo's DDPOptimizer
+splits the compiled graph at DDP's bucket boundaries, so a bucket's all-reduce can start while
+the backward of earlier layers still runs. It does so in either order: on torch 2.14.1 this
+model split into the same buckets wrapped first and compiled first, `DDP(torch.compile(model))`
+(nanoGPT's order, and the one PyTorch's "Where to apply torch.compile?" page shows): 2 at the
+default --bucket_cap_mb 25, 4 at 1. On 2 CPU processes neither order was faster (the figures:
+COMPILE_TIME). On CPU it shows how, not speed.
 
 Over the seed this fixes the attention mask (the seed's hides the past and shows the
 future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead), trains on
@@ -574,7 +574,8 @@ def run_length(steps_per_epoch, args):
 
 
 def wrap(model, device, args):
-    """DDP around the model; with --compile, torch.compile around DDP (why this order: the docstring)."""
+    """DDP around the model; with --compile, torch.compile around DDP (either order splits at DDP's buckets: the
+    docstring)."""
     # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out
     ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
               gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb, process_group=ddp_group(args.timeout))
