@@ -16,7 +16,8 @@ the same with its fix:
   host-sync     loss.item() every step: on a GPU the host waits for the queue to drain, each step.
                 Fix: keep the sums on the device, read them every --log_every steps.
   threads       every process uses every core (torch.set_num_threads(cores)): the processes fight
-                for the cores. Fix: cores // processes threads each (as every script here does).
+                for the cores. Fix: as every script here does, OMP_NUM_THREADS where it is set
+                (torchrun sets 1 for several processes a machine), else cores // processes threads each.
   small-batch   a per-process batch of 16: the all-reduce of 334k gradients outweighs the compute it
                 should hide behind. Fix: a per-process batch of 1024 (or accumulation with no_sync).
   find-unused   find_unused_parameters=True where every parameter gets a gradient: a graph traversal
@@ -90,7 +91,7 @@ def parse_args(argv=None):
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
                    help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
-    p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",

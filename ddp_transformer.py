@@ -49,7 +49,7 @@ real text instead of constant rows, and adds gradient accumulation with `no_sync
 AdamW, a warmup + cosine schedule, AMP, torch.compile, exact distributed validation, and
 checkpoints that resume mid-epoch at any world size (the place counted in windows of the
 epoch's order: epoch_steps). Nearest sibling: ddp_gpus_torchrun.py (same launch and setup).
-Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+Three parts: this lesson (every data-parallel call in it); then, beyond it, what the scenario offers but
 does not teach (--time_budget and --preset, Muon, the seed's toy run, tokens/s, MFU and memory,
 resuming at another world size, the printed summary); then the harness (each recipe as in every file).
 """
@@ -574,8 +574,7 @@ def run_length(steps_per_epoch, args):
 
 
 def wrap(model, device, args):
-    """DDP around the model; with --compile, torch.compile around DDP (either order splits at DDP's buckets: the
-    docstring)."""
+    """DDP around the model; with --compile, torch.compile around DDP (either order: see the docstring)."""
     # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out
     ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
               gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb, process_group=ddp_group(args.timeout))

@@ -8,6 +8,7 @@ one line and exit code 2, exits are clean. Three parts: the foundation (linear-m
 scripts and run.sh), the MNIST ConvNet, the Transformer. Faults: test_faults.py;
 DataParallel and the benchmark: test_dp_bench.py; several hosts and SLURM: test_multihost.py.
 """
+import ast
 import contextlib
 import copy
 import gc
@@ -36,6 +37,7 @@ from torch.utils.data import DistributedSampler
 
 import ddp_transformer
 from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, run_doc_snippet
+from test_layout import SCRIPTS
 from ddp_main import ConvNet, SyntheticDigits
 from ddp_transformer import Transformer
 
@@ -1127,3 +1129,55 @@ def test_transformer_too_short_corpus_is_one_clear_error(launch, script, torchru
     ranks = launch(torchrun2(torchrun, script, "--data", "short.txt"), timeout=120, check=False)
     assert ranks.returncode != 0 and len(error_lines(ranks.stderr)) == 1, ranks
     assert "--block_size" in error_lines(ranks.stderr)[0], ranks
+
+
+# ================================================================ what the docstrings and the README say (issue 52)
+README = (ROOT / "README.md").read_text()
+
+
+def docstring(name):
+    return ast.get_docstring(ast.parse((ROOT / name).read_text()))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_docstring_never_names_its_own_file_its_nearest_sibling(name):
+    for clause in re.findall(r"nearest siblings?\W+(.*?)(?:\.\s|;|$)", docstring(name), flags=re.I | re.S):
+        assert name not in re.findall(r"[\w/]+\.py", clause), f"{name} names itself as its sibling: {clause!r}"
+
+
+def test_fsdp_transformer_claims_no_ddp_call():
+    """It shards with fully_shard; its docstring said its lesson held 'every DDP call'."""
+    assert "DistributedDataParallel" not in (ROOT / "fsdp_transformer.py").read_text()
+    assert "DDP call" not in docstring("fsdp_transformer.py")
+
+
+def timeout_default(name):
+    for node in ast.walk(ast.parse((ROOT / name).read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and \
+                node.args and getattr(node.args[0], "value", None) == "--timeout":
+            return next(k.value.value for k in node.keywords if k.arg == "default")
+
+
+def test_every_timeout_default_is_the_readmes():
+    """The flags table: `--timeout` 300 everywhere but the one script it names (ddp_slow.py had 60)."""
+    said = re.search(r"^\| `--timeout SECONDS` \|.*\(default (\d+); (\d+) in `(\w+\.py)`\)", README, re.M)
+    assert said, "the README's flags table lost its --timeout row"
+    defaults = {name: timeout_default(name) for name in SCRIPTS}
+    assert defaults == {name: int(said[2] if name == said[3] else said[1]) for name in SCRIPTS}, defaults
+
+
+def test_the_readme_says_what_torchrun_does_to_threads():
+    """It said every CPU process takes cores // processes threads unless OMP_NUM_THREADS is set."""
+    cpu = " ".join(README.split("**The CPU path.**", 1)[1].split("\n\n", 1)[0].split())
+    assert "torchrun sets it to 1 when it starts several processes a machine" in cpu, cpu
+    assert "otherwise (mp.spawn, plain `python`) `cores // processes`" in cpu, cpu
+
+
+@pytest.mark.slow  # two torchrun launches of a script that imports nothing; the default tier reads the README
+def test_torchrun_sets_one_thread_for_several_processes_a_machine(launch, torchrun, tmp_path):
+    """What the README says of torchrun, on the torch installed: OMP_NUM_THREADS=1 for 2 processes a machine
+    (so the scripts take 1 thread each, not cores // processes), unset for 1."""
+    (tmp_path / "omp.py").write_text("import os\nprint('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS'))\n")
+    for per_node, says in ((2, "1"), (1, "None")):
+        out = launch([*torchrun, "--standalone", f"--nproc-per-node={per_node}", "omp.py"], timeout=120).stdout
+        assert out.split().count(says) == per_node, out
