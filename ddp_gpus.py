@@ -18,8 +18,8 @@ inputs; the seed's cross-entropy over one output is always zero), `torch.optim.S
 the same data set on every rank, a free port instead of a hard-coded one, a CPU path,
 and a final check that the replicas agree.
 
-Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): their lessons (all above
-the harness) differ in the launch and the snapshot, nothing else. The robustness every script shares (errors,
+The lessons of ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun), all above the harness, differ in
+the launch and the snapshot, nothing else. The robustness every script shares (errors,
 ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of each file: what that file uses.
 """
 

@@ -1,4 +1,4 @@
-"""The same `Trainer` for a linear model, launched by torchrun, with an elastic snapshot.
+"""The `Trainer` of its nearest sibling, ddp_gpus.py, launched by torchrun, with an elastic snapshot.
 
 Scenario: `nn.Linear(20, 1)` learns a fixed linear map from 2048 noisy samples, one
 process per GPU, started by torchrun, which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
@@ -18,8 +18,8 @@ inputs; the seed's cross-entropy over one output is always zero), `torch.optim.S
 the same data set on every rank, a free port instead of a hard-coded one, a CPU path,
 and a final check that the replicas agree.
 
-Nearest siblings: ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun): their lessons (all above
-the harness) differ in the launch and the snapshot, nothing else. The robustness every script shares (errors,
+The lessons of ddp_gpus.py (mp.spawn) and ddp_gpus_torchrun.py (torchrun), all above the harness, differ in
+the launch and the snapshot, nothing else. The robustness every script shares (errors,
 ports, timeouts, Ctrl-C, the replica check) is the harness block at the end of each file: what that file uses.
 """
 

@@ -193,7 +193,7 @@ def choose_dataset(args, device):
         found[0] = int(mnist_available(args.data or DEFAULT_DATA))
     dist.broadcast(found, src=0)  # the barrier: nobody reads the folder before rank 0 has filled it
     if found.item() and dist.get_rank() != 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        found[0] = int(mnist_available(args.data))  # a shared file system: there already, no download
+        found[0] = int(mnist_available(args.data or DEFAULT_DATA))  # a shared file system: there already, no download
     dist.all_reduce(found, op=dist.ReduceOp.MIN)
     if found.item():
         return "mnist"

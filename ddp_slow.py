@@ -9,13 +9,15 @@ the same with its fix:
                 persistent workers, pinned memory on GPUs.
   straggler     the last rank's device runs at a quarter of the others' speed (a GPU shared with other
                 jobs, throttled, or older); every rank waits for it in the all-reduce. Fix: balance
-                the work by speed (that rank gets 2/5 of a batch, the other 8/5).
+                the work by speed (that rank gets 2/5 of a batch, the other 8/5), each rank's loss
+                weighted by its share of the global batch (every sample weighs the same).
   accumulation  4 micro-batches a step, each backward all-reduces: 4 all-reduces instead of one.
                 Fix: no_sync() on the first 3.
   host-sync     loss.item() every step: on a GPU the host waits for the queue to drain, each step.
                 Fix: keep the sums on the device, read them every --log_every steps.
   threads       every process uses every core (torch.set_num_threads(cores)): the processes fight
-                for the cores. Fix: cores // processes threads each (as every script here does).
+                for the cores. Fix: as every script here does, OMP_NUM_THREADS where it is set
+                (torchrun sets 1 for several processes a machine), else cores // processes threads each.
   small-batch   a per-process batch of 16: the all-reduce of 334k gradients outweighs the compute it
                 should hide behind. Fix: a per-process batch of 1024 (or accumulation with no_sync).
   find-unused   find_unused_parameters=True where every parameter gets a gradient: a graph traversal
@@ -90,7 +92,7 @@ def parse_args(argv=None):
                    help="auto: the accelerator torch finds (cuda, xpu, hpu, npu, ...), else cpu")
     p.add_argument("--backend", default="auto", metavar="auto|NAME",
                    help="auto: the device's default (nccl on cuda, xccl on xpu, hccl on hpu/npu, gloo on cpu)")
-    p.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+    p.add_argument("--timeout", type=float, default=300, metavar="SECONDS",
                    help="how long a collective waits for the other ranks before failing")
     p.add_argument("--metrics", default=None, metavar="PATH", help="write a JSON summary of the run here (rank 0)")
     p.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank",
@@ -171,6 +173,11 @@ def batch_size_of(rank, args):
     return slow if rank == world - 1 else (world * args.batch_size - slow) // (world - 1)
 
 
+def global_batch(args):
+    """The samples of a micro-batch over all ranks."""
+    return sum(batch_size_of(rank, args) for rank in range(dist.get_world_size()))
+
+
 def slower_device(forward_s, args):
     """straggler: the last rank's device runs at a quarter of the others' speed. Before its backward it waits
     3 times what its forward and backward take (3 x the forward: the backward takes about twice the forward);
@@ -212,7 +219,9 @@ def build(device, args):
     module = make_model(args.width).to(device)
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None,
-                find_unused_parameters=args.cause == "find-unused" and not args.fix)
+                find_unused_parameters=args.cause == "find-unused" and not args.fix,
+                # torch 2.14, 2.15: SIGSEGV in DDP's constructor when its group is a DETAIL-checked gloo group
+                process_group=ddp_group(args.timeout))
     return model, optimizer
 
 
@@ -230,7 +239,9 @@ def train_step(model, optimizer, data, clock, device, args):
             start = time.perf_counter()
             loss = F.cross_entropy(model(x), y)
             slower_device(time.perf_counter() - start, args)  # straggler: the others wait in the all-reduce
-            (loss / args.micro).backward()
+            # every sample weighs the same, whatever its rank's share (uneven under a fixed straggler): DDP averages
+            # the ranks' gradients, so a rank's mean loss counts len(y) / (global batch / world) times
+            (loss * len(y) * dist.get_world_size() / global_batch(args) / args.micro).backward()
         clock.backward_done()
         sums += torch.stack([loss.detach().double() * len(y), sums.new_tensor(len(y))])
     optimizer.step()
@@ -275,7 +286,7 @@ def report(losses, seconds, in_sync, verdict, batches_per_epoch, args):
     steady = seconds[WARMUP:] or seconds
     step_ms = 1000 * statistics.median(steady)
     # samples a step, every rank's (the same total planted and fixed: samples_per_s compares the two)
-    samples = args.micro * sum(batch_size_of(rank, args) for rank in range(dist.get_world_size()))
+    samples = args.micro * global_batch(args)
     summary = {
         "script": os.path.basename(__file__), "world_size": dist.get_world_size(), "backend": dist.get_backend(),
         "device": args.device, "torch": torch.__version__, "steps": len(seconds),
@@ -924,6 +935,25 @@ def roll_call(seconds=0.0):
         return [r for r, key in enumerate(keys) if store.check([key])]
     except RuntimeError:  # its host (torchrun's agent on the first node, or rank 0 under mp.spawn) is gone
         return None
+
+
+# ---- recipe: DETAIL-safe DDP group: DDP(..., process_group=ddp_group(timeout)) survives TORCH_DISTRIBUTED_DEBUG=DETAIL
+def ddp_group(timeout):
+    """DDP's process group: None (the default group), or under DETAIL a group of every rank created with the
+    debug level briefly OFF (a collective: every rank calls it), with the collective timeout in seconds (None:
+    torch's default for a new group, 30 minutes on gloo: it does not inherit init_process_group's). torch 2.14 and
+    2.15 end the process with SIGSEGV in DDP's constructor when its group is a checked one; DDP's gradient
+    all-reduces then go unchecked, every other collective is still checked. DETAIL is the level now or the one
+    the job was launched with (the default group was created checked even if the level was lowered since)."""
+    previous = dist.get_debug_level()
+    if dist.DebugLevel.DETAIL not in (previous, dist.DebugLevel.__members__.get(
+            os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF").upper())):
+        return None
+    dist.set_debug_level(dist.DebugLevel.OFF)  # the groups created now are not wrapped in the checks
+    try:
+        return dist.new_group(timeout=None if timeout is None else timedelta(seconds=timeout))
+    finally:
+        dist.set_debug_level(previous)
 
 
 # ---- recipe: release: a failed run's frames (and the DDP reducer they hold) freed before the group is destroyed

@@ -35,13 +35,13 @@ epochs of this text the steps make. The learning-rate warmup and decay are in st
 Each epoch cuts its training windows from another offset (window_offset), so that over the
 epochs every character starts a window, the same windows at any world size and on resume.
 
-torch.compile with DDP (`--compile`): wrap first, then compile, `torch.compile(DDP(model))`,
-as the DDP notes advise: TorchDynamo's DDPOptimizer splits the compiled graph at DDP's
-bucket boundaries, so a bucket's all-reduce starts while the backward pass of earlier
-layers still runs. nanoGPT compiles first, `DDP(torch.compile(model))`: DDP then sees one
-compiled backward that hands over every gradient at its end, and nothing overlaps. The
-overlap pays where the all-reduce takes time (GPUs, several 25 MB buckets); on 2 CPU
-processes neither order was faster (the figures: COMPILE_TIME). On CPU it shows how, not speed.
+torch.compile with DDP (`--compile`): `torch.compile(DDP(model))`. TorchDynamo's DDPOptimizer
+splits the compiled graph at DDP's bucket boundaries, so a bucket's all-reduce can start while
+the backward of earlier layers still runs. It does so in either order: on torch 2.14.1 this
+model split into the same buckets wrapped first and compiled first, `DDP(torch.compile(model))`
+(nanoGPT's order, and the one PyTorch's "Where to apply torch.compile?" page shows): 2 at the
+default --bucket_cap_mb 25, 4 at 1. On 2 CPU processes neither order was faster (the figures:
+COMPILE_TIME). On CPU it shows how, not speed.
 
 Over the seed this fixes the attention mask (the seed's hides the past and shows the
 future; here `scaled_dot_product_attention(is_causal=True)` never looks ahead), trains on
@@ -49,7 +49,7 @@ real text instead of constant rows, and adds gradient accumulation with `no_sync
 AdamW, a warmup + cosine schedule, AMP, torch.compile, exact distributed validation, and
 checkpoints that resume mid-epoch at any world size (the place counted in windows of the
 epoch's order: epoch_steps). Nearest sibling: ddp_gpus_torchrun.py (same launch and setup).
-Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+Three parts: this lesson (every data-parallel call in it); then, beyond it, what the scenario offers but
 does not teach (--time_budget and --preset, Muon, the seed's toy run, tokens/s, MFU and memory,
 resuming at another world size, the printed summary); then the harness (each recipe as in every file).
 """
@@ -575,7 +575,7 @@ def run_length(steps_per_epoch, args):
 
 
 def wrap(model, device, args):
-    """DDP around the model; with --compile, torch.compile around DDP (why this order: the docstring)."""
+    """DDP around the model; with --compile, torch.compile around DDP (either order: see the docstring)."""
     # gradient_as_bucket_view: the gradients live in DDP's buckets, no copy in and out
     # ddp_group: None; under TORCH_DISTRIBUTED_DEBUG=DETAIL a group DDP can take (torch 2.14, 2.15 segfault on gloo's checked one)
     ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,

@@ -56,7 +56,7 @@ each file opened once by name in its folder, no link, FIFO, hard link or mount).
 folder; another run's is continued only with --resume (the job's own, after a restart, without).
 The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 418 lines (at most 420:
 test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
-Three parts: this lesson (every DDP call in it); then, beyond it, what the scenario offers but
+Three parts: this lesson (every data-parallel call in it); then, beyond it, what the scenario offers but
 does not teach (tokens/s, MFU and memory, --export, the checkpoint folder's pointer and lock, resuming
 at another world size, the printed summary); then the harness (each recipe as in every file).
 """

@@ -531,6 +531,7 @@ DETAIL_RUNS = {  # name: (launched by torchrun, arguments, exit code)
     "ddp_comm_hooks": (True, ["-e", "1"], 0),
     "ddp_desync": (True, ["--bug", "skip-step", "--fix", "-e", "1"], 0),
     "dp_baseline": (False, ["--ddp", "-e", "1"], 0),
+    "ddp_slow": (True, ["--cause", "accumulation", "--fix", "--max_steps", "6", "--samples", "4096"], 0),  # no_sync as well
     **{f"ddp_unused --mode {mode}": (True, ["--mode", mode, "-e", "1"], 1 if mode == "bare" else 0)
        for mode in ("bare", "find-unused", "static-graph", "freeze", "checkpoint", "two-forwards")},
 }

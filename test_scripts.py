@@ -8,6 +8,7 @@ one line and exit code 2, exits are clean. Three parts: the foundation (linear-m
 scripts and run.sh), the MNIST ConvNet, the Transformer. Faults: test_faults.py;
 DataParallel and the benchmark: test_dp_bench.py; several hosts and SLURM: test_multihost.py.
 """
+import ast
 import contextlib
 import copy
 import gc
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import struct
@@ -35,6 +37,7 @@ from torch.utils.data import DistributedSampler
 
 import ddp_transformer
 from conftest import ROOT, cpu_env, kill_group, read_metrics, run_bounded, run_doc_snippet
+from test_layout import SCRIPTS
 from ddp_main import ConvNet, SyntheticDigits
 from ddp_transformer import Transformer
 
@@ -531,9 +534,9 @@ MNIST_TIMEOUT = 240  # generous: the machine may be shared with other test runs
 DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: any download fails at once
 
 
-def offline_env():
+def offline_env(**extra):
     return cpu_env(http_proxy=DEAD_PROXY, https_proxy=DEAD_PROXY, HTTP_PROXY=DEAD_PROXY,
-                   HTTPS_PROXY=DEAD_PROXY, no_proxy="", NO_PROXY="")
+                   HTTPS_PROXY=DEAD_PROXY, no_proxy="", NO_PROXY="", **extra)
 
 
 def load_checkpoint(path):
@@ -710,6 +713,26 @@ def test_mnist_files_and_bf16(launch, script, metrics, tmp_path):
     correct, fp32_loss = evaluate_here(model, normalized, test_labels.long())
     assert abs(round(m["test_accuracy"] * 101) - correct) <= 2
     assert m["test_loss"] != fp32_loss and m["test_loss"] == pytest.approx(fp32_loss, rel=0.1, abs=0.01)
+
+
+def test_mnist_on_two_nodes_without_data(launch, script, metrics, torchrun, tmp_path):
+    """Two torchrun agents as two nodes on this machine (--nnodes=2 --node-rank=0/1, as run.sh's nodes mode), MNIST's
+    files in the default ./data, no --data: the second node's first process (rank 1, LOCAL_RANK 0) looks for them
+    there too. Before issue 52 it looked in None (a TypeError) and the job ended "lost rank 1"."""
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    for prefix, n, seed in (("train", 128, 1), ("t10k", 64, 2)):
+        write_idx(raw, prefix, *striped_digits(n, seed))
+    port = free_port()
+    nodes = [shlex.join([*torchrun, "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+                         "--master-addr=127.0.0.1", f"--master-port={port}", script("ddp_main_torchrun.py"),
+                         "--device", "cpu", "-e", "1", "--timeout", "60", "--metrics", "m.json"]) for node in (0, 1)]
+    result = launch(["bash", "-c", f"{nodes[0]} & node0=$!; {nodes[1]}; node1=$?; wait $node0; exit $(($? | node1))"],
+                    timeout=MNIST_TIMEOUT, env=offline_env(OMP_NUM_THREADS=1), check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, str(result)
+    m = metrics(tmp_path / "m.json")
+    assert m["world_size"] == 2 and m["dataset"] == "idx" and m["train_samples"] == 128, m
+    assert m["replicas_in_sync"] is True and "MNIST download failed" not in result.stdout, str(result)
+    assert "data: IDX files of 10 classes, 1 x 28 x 28 from ./data" in result.stdout, str(result)
 
 
 def test_mnist_missing_is_a_clear_error(launch, script, tmp_path):
@@ -1043,6 +1066,40 @@ def test_transformer_compiled_ddp_trains_like_eager(launch, script, torchrun, me
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], abs=0.02), (compiled, eager)
 
 
+def _compile_order_worker(rank, port, out):
+    """Graphs a counting backend is given for the default model (vocabulary 65), each order, each bucket cap: one
+    per DDPOptimizer split, each split at a bucket boundary."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    counts = {}
+    for order, cap in itertools.product(("wrap first", "compile first"), (25, 1)):
+        graphs = []
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        module = Transformer(65, 128, 4, 512, 4, 128)
+        count = torch.compile(backend=lambda gm, inputs: graphs.append(gm) or gm.forward, dynamic=True)
+        model = (count(DDP(module, gradient_as_bucket_view=True, bucket_cap_mb=cap)) if order == "wrap first" else
+                 DDP(count(module), gradient_as_bucket_view=True, bucket_cap_mb=cap))
+        model(torch.randint(0, 65, (8, 128))).sum().backward()
+        counts[f"{order}, {cap} MB"] = len(graphs)
+        del model
+    if rank == 0:
+        Path(out).write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # dynamo traces the model 4 times (no kernels compiled): about 20 s of CPU
+def test_transformer_compile_splits_at_ddp_buckets_in_either_order(tmp_path):
+    """The docstring's claim, measured: DDPOptimizer splits the compiled graph into the same buckets whether DDP
+    wraps the compiled model or torch.compile wraps DDP, with the counts it states (before issue 52 it said that
+    compiling first left nothing to overlap)."""
+    mp.spawn(_compile_order_worker, args=(free_port(), str(tmp_path / "counts.json")), nprocs=2, join=True)
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    said = re.search(r"(\d+) at the\s+default --bucket_cap_mb 25, (\d+) at 1", ddp_transformer.__doc__)
+    assert said and "nothing overlaps" not in ddp_transformer.__doc__, ddp_transformer.__doc__
+    for cap, graphs in ((25, int(said[1])), (1, int(said[2]))):
+        assert counts[f"wrap first, {cap} MB"] == counts[f"compile first, {cap} MB"] == graphs, counts
+
+
 # ---------------------------------------------------------------- errors
 def test_transformer_help_lists_the_flags(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")  # argparse wraps the help to the terminal's width
@@ -1072,3 +1129,55 @@ def test_transformer_too_short_corpus_is_one_clear_error(launch, script, torchru
     ranks = launch(torchrun2(torchrun, script, "--data", "short.txt"), timeout=120, check=False)
     assert ranks.returncode != 0 and len(error_lines(ranks.stderr)) == 1, ranks
     assert "--block_size" in error_lines(ranks.stderr)[0], ranks
+
+
+# ================================================================ what the docstrings and the README say (issue 52)
+README = (ROOT / "README.md").read_text()
+
+
+def docstring(name):
+    return ast.get_docstring(ast.parse((ROOT / name).read_text()))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_docstring_never_names_its_own_file_its_nearest_sibling(name):
+    for clause in re.findall(r"nearest siblings?\W+(.*?)(?:\.\s|;|$)", docstring(name), flags=re.I | re.S):
+        assert name not in re.findall(r"[\w/]+\.py", clause), f"{name} names itself as its sibling: {clause!r}"
+
+
+def test_fsdp_transformer_claims_no_ddp_call():
+    """It shards with fully_shard; its docstring said its lesson held 'every DDP call'."""
+    assert "DistributedDataParallel" not in (ROOT / "fsdp_transformer.py").read_text()
+    assert "DDP call" not in docstring("fsdp_transformer.py")
+
+
+def timeout_default(name):
+    for node in ast.walk(ast.parse((ROOT / name).read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and \
+                node.args and getattr(node.args[0], "value", None) == "--timeout":
+            return next(k.value.value for k in node.keywords if k.arg == "default")
+
+
+def test_every_timeout_default_is_the_readmes():
+    """The flags table: `--timeout` 300 everywhere but the one script it names (ddp_slow.py had 60)."""
+    said = re.search(r"^\| `--timeout SECONDS` \|.*\(default (\d+); (\d+) in `(\w+\.py)`\)", README, re.M)
+    assert said, "the README's flags table lost its --timeout row"
+    defaults = {name: timeout_default(name) for name in SCRIPTS}
+    assert defaults == {name: int(said[2] if name == said[3] else said[1]) for name in SCRIPTS}, defaults
+
+
+def test_the_readme_says_what_torchrun_does_to_threads():
+    """It said every CPU process takes cores // processes threads unless OMP_NUM_THREADS is set."""
+    cpu = " ".join(README.split("**The CPU path.**", 1)[1].split("\n\n", 1)[0].split())
+    assert "torchrun sets it to 1 when it starts several processes a machine" in cpu, cpu
+    assert "otherwise (mp.spawn, plain `python`) `cores // processes`" in cpu, cpu
+
+
+@pytest.mark.slow  # two torchrun launches of a script that imports nothing; the default tier reads the README
+def test_torchrun_sets_one_thread_for_several_processes_a_machine(launch, torchrun, tmp_path):
+    """What the README says of torchrun, on the torch installed: OMP_NUM_THREADS=1 for 2 processes a machine
+    (so the scripts take 1 thread each, not cores // processes), unset for 1."""
+    (tmp_path / "omp.py").write_text("import os\nprint('OMP_NUM_THREADS', os.environ.get('OMP_NUM_THREADS'))\n")
+    for per_node, says in ((2, "1"), (1, "None")):
+        out = launch([*torchrun, "--standalone", f"--nproc-per-node={per_node}", "omp.py"], timeout=120).stdout
+        assert out.split().count(says) == per_node, out

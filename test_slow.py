@@ -6,7 +6,8 @@ table has a row per rank, the loss falls, the replicas agree, a chrome trace per
 all-reduce); bad input is checked in this process
 (check_args, milliseconds) and once through the real command line. The slow tier plants every cause
 and its fix: the verdict names the cause, the fixed run's verdict names anything but the fixed cause,
-and where a CPU shows the cost (docs/ddp_slow.md) the fix is faster. docs/recipes.md's block is
+and where a CPU shows the cost (docs/ddp_slow.md) the fix is faster; the fixed straggler's uneven batches
+train, step by step, as one process on the same samples. docs/recipes.md's block is
 compared with the script's copy here; test_recipes.py runs it pasted.
 """
 import ast
@@ -16,6 +17,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 import ddp_slow
 from conftest import ROOT, cpu_env, read_metrics, run_bounded, torchrun_cmd
@@ -148,6 +152,41 @@ def test_the_recipe_is_the_scripts_clock():
     assert {"StepClock", "threads_fight", "FIXES", "diagnose", "table"} <= set(recipe), sorted(recipe)
     for name, source in recipe.items():
         assert script.get(name) == source, f"{name}: docs/recipes.md and ddp_slow.py differ"
+
+
+def one_process_losses(sizes, steps, samples=1024, width=32, seed=0, lr=0.05):
+    """Each step's mean loss when one process trains on the ranks' batches together, every sample weighing the
+    same: the ranks' batches drawn as the script draws them (DistributedSampler, `sizes[r]` samples a step on rank
+    r, a new shuffle each pass over a shard), the model and SGD as it builds them."""
+    dataset = ddp_slow.Samples(samples, seed)
+    data = [ddp_slow.batches(DataLoader(dataset, batch_size=size, drop_last=True, collate_fn=default_convert,
+                                        sampler=DistributedSampler(dataset, len(sizes), rank, seed=seed, drop_last=True)))
+            for rank, size in enumerate(sizes)]
+    torch.manual_seed(seed)
+    model = ddp_slow.make_model(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        x, y = (torch.cat(parts) for parts in zip(*(next(d) for d in data)))
+        loss = F.cross_entropy(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.slow  # one launch; the default tier's launch plants the straggler, this one fixes it
+def test_a_fixed_straggler_weighs_every_sample_the_same(tmp_path):
+    """The fix gives the slow rank 25 of a global 128 samples and the other 103: a step still learns what one
+    process learns from those 128 samples (each rank's loss weighted by its share of the global batch; a per-rank
+    mean made each of the slow rank's samples weigh 103 / 25 = 4.1 times as much). Every step's global loss, to
+    float rounding, is the one-process run's on the same samples (issue 52)."""
+    r = launch(tmp_path, "straggler", "--samples", 1024, "--batch_size", 64, "--width", 32, "--log_every", 1,
+               fix=True, steps=8)
+    assert r.metrics["samples_per_step"] == 128 and "8 steps of 1 x 103 samples per rank" in r.stdout, r
+    expected = one_process_losses([103, 25], 8)
+    assert r.metrics["losses"] == pytest.approx(expected, abs=1e-5), (r.metrics["losses"], expected)
 
 
 @pytest.mark.slow
