@@ -65,9 +65,8 @@ def check_args(args):
     check_positive(args, "epochs", "batch_size", "lr", "samples", "timeout", "nprocs")
     check_folders(args.metrics)
     resolve_device(args)
-    gpus = torch.accelerator.device_count() if args.device != "cpu" else 0  # GPUs, or another accelerator's devices
-    args.nprocs = args.nprocs or (gpus if args.device != "cpu" else 2)
-    if args.device != "cpu" and args.nprocs > gpus:
+    args.nprocs = args.nprocs or (torch.accelerator.device_count() if args.device != "cpu" else 2)  # GPUs, or 2 CPU
+    if args.device != "cpu" and args.nprocs > (gpus := torch.accelerator.device_count()):  # or another accelerator's
         fail(f"{spelled('nprocs')} {args.nprocs} but {gpus} {args.device} device(s) are visible", "pass fewer or --device cpu")
     return args
 

@@ -136,10 +136,9 @@ class Trainer:
         self.steps = 0
 
     def _load_snapshot(self, model, resume):
-        snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model) if resume else None
-        if snapshot:  # the model holds its weights already
-            check_optimizer_state(self.snapshot_path, snapshot["optimizer"], self.optimizer)  # before it sees it
-            self.optimizer.load_state_dict(snapshot["optimizer"])
+        snapshot = load_checkpoint(self.snapshot_path, ("model", "optimizer", "epochs_run"), model,  # each checked,
+                                   {"optimizer": self.optimizer}) if resume else None  # then loaded into its own
+        if snapshot:
             note_world_change(snapshot, len(self.train_dataloader), self.train_dataloader.batch_size)
         epochs_run = snapshot["epochs_run"] if snapshot else 0  # a rank that cannot see it would hang the job
         check_same_on_every_rank(epochs_run, "snapshot epochs", "put the snapshot where every node sees it")
