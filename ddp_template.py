@@ -54,9 +54,9 @@ def parse_args(argv=None):
                    help="steps of linear warm-up; after them the rate halves every --lr_half_life steps")
     p.add_argument("--lr_half_life", "--lr-half-life", type=float, default=200, metavar="STEPS",
                    help="steps over which the learning rate halves after the warm-up")
-    p.add_argument("--clip", type=float, default=0, metavar="NORM", help="clip the gradients' norm to NORM (0: off)")
+    p.add_argument("--clip", type=float, default=0, metavar="NORM", help="clip the gradients' norm to NORM; 0: off")
     p.add_argument("--log_every", "--log-every", type=int, default=0, metavar="N",
-                   help="also print the loss over all ranks every N steps (0: once an epoch)")
+                   help="also print the loss over all ranks every N steps; 0: once an epoch")
     p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="off",
                    help="autocast: bf16 (CPUs and recent GPUs), fp16 (with a GradScaler), or off")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights, the shuffle, the draws")
@@ -139,7 +139,7 @@ def teacher_labels(size, seed):
 
 
 def datasets(args):
-    # PORT (data): your Dataset of (input, target) pairs, the same on every rank (seed it); a part is held out
+    # PORT (data): your (input, target) Dataset, the same on every rank (seed it): a part held out, or your test set
     dataset = teacher_labels(args.samples + args.val_samples, args.seed)
     return random_split(dataset, [len(dataset) - args.val_samples, args.val_samples],
                         generator=torch.Generator().manual_seed(args.seed))
