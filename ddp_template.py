@@ -1,11 +1,8 @@
 """Port your own training loop to DDP: a template with the parts every real loop has, each marked `# PORT`.
 
-Scenario: a small classifier (an MLP with dropout) learns the labels that a fixed random "teacher" network
-gives 4,096 random inputs; 1,001 more are held out and validated exactly (every one once, whatever the
-number of processes). Besides data, model and loss, what a port needs is here and marked: your own flags
-and their checks, the evaluation, the state a checkpoint must hold to continue exactly (a learning-rate
-schedule, a GradScaler, the step counter, a dict of your own), randomness that differs per rank, and a
-report of what the run measured.
+Scenario: an MLP with dropout learns the labels a fixed random "teacher" map gives 4,096 random inputs;
+1,001 more are held out and validated exactly (each once, at any number of processes). Over a plain loop it
+adds your flags and their checks, a checkpoint that continues exactly, randomness per rank, a report.
 
 Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_template.py                        # every visible GPU
@@ -13,11 +10,15 @@ Launch:
     python ddp_template.py --device cpu                                               # a world of one
     torchrun --standalone --nproc-per-node=2 ddp_template.py --resume --epochs 10     # continue a run
 
-Port: `cp ddp_template.py mine.py`; `grep -n "# PORT" mine.py` lists the places to edit. Data, model and
-loss are the minimum; docs/porting.md walks the whole job (flags, validation, checkpoint contents, a model
-with state such as an LSTM, several models such as a GAN, dropout), one section per loop people have.
-Leave the harness (below its banner at the end) as it is: error lines, ports, Ctrl-C, the replica check,
-checkpoints read as data.
+Port: `cp ddp_template.py mine.py`; `grep -n "# PORT" mine.py` lists the places. Data, model and loss are
+the minimum, but the optimizer and schedule left as they are train the template's recipe (AdamW, a warm-up
+then halving), not yours. docs/porting.md has a section per loop people have.
+
+The harness below the lesson is yours to cut, each recipe with its calls. Load-bearing: the atomic save and
+the checked load (a crash mid-save keeps the last checkpoint; a checkpoint is read as data, and checked),
+continue_checkpoint (a restart resumes its own file; another run's is not overwritten), free_error_frames (a
+failed run can abort at exit without it), prepare_rendezvous (plain `python`). attempt_store and ddp_group:
+where their comments say. Diagnosis only: explained_failures (Ctrl-C, a failed collective), the replica check.
 """
 
 # ---------------------------------------------------------------- imports
@@ -34,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, random_split
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, random_split
 
 AMP_DTYPES = {"off": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -46,17 +47,18 @@ def parse_args(argv=None):
                    help="epochs to train (a resumed run: in all)")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=64, metavar="N",
                    help="samples per step, per process (the global batch is N x world size)")
-    p.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="AdamW's peak learning rate")
+    # PORT (optimizer): the flags of the template's optimizer, schedule and clipping (build(), the loop)
+    p.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="learning rate (the peak, after the warm-up)")
     p.add_argument("--warmup_steps", "--warmup-steps", type=int, default=20, metavar="N",
                    help="steps of linear warm-up; after them the rate halves every --lr_half_life steps")
     p.add_argument("--lr_half_life", "--lr-half-life", type=float, default=200, metavar="STEPS",
                    help="steps over which the learning rate halves after the warm-up")
+    p.add_argument("--clip", type=float, default=0, metavar="NORM", help="clip the gradients' norm to NORM; 0: off")
     p.add_argument("--log_every", "--log-every", type=int, default=0, metavar="N",
-                   help="also print the loss over all ranks every N steps (0: once an epoch)")
-    p.add_argument("--clip", type=float, default=1.0, metavar="NORM", help="gradient norm clipping (0: off)")
+                   help="also print the loss over all ranks every N steps; 0: once an epoch")
     p.add_argument("--amp", choices=sorted(AMP_DTYPES), default="off",
                    help="autocast: bf16 (CPUs and recent GPUs), fp16 (with a GradScaler), or off")
-    p.add_argument("--seed", type=int, default=0, help="seed for the data and the initial weights")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights, the shuffle, the draws")
     p.add_argument("--workers", type=int, default=0, metavar="N", help="DataLoader worker processes per process")
     p.add_argument("--checkpoint", metavar="PATH", help="checkpoint file, written every epoch",
                    default=os.path.splitext(os.path.basename(__file__))[0] + ".pt")  # a copy, mine.py: mine.pt
@@ -87,7 +89,7 @@ def check_args(args):
 
 
 def add_own_args(p):
-    """PORT (flags): your own flags."""
+    # PORT (flags): your own flags; a flag deleted here, delete from check_own_args too
     p.add_argument("--samples", type=int, default=4096, metavar="N", help="training samples")
     p.add_argument("--val_samples", "--val-samples", type=int, default=1001, metavar="N", help="held-out samples")
     p.add_argument("--hidden", type=int, default=128, metavar="N", help="width of the MLP's hidden layer")
@@ -95,8 +97,7 @@ def add_own_args(p):
 
 
 def check_own_args(args):
-    """PORT (checks): your flags' checks. fail(what, fix) prints `error: what (fix)` once and exits with 2;
-    spelled(name) is the flag as the user typed it (--val-samples or --val_samples)."""
+    # PORT (checks): your flags' checks; fail(what, fix) says `error: what (fix)` once and exits with 2
     check_positive(args, "samples", "val_samples", "hidden")
     if not 0 <= args.dropout < 1:
         fail(f"{spelled('dropout')} must be in [0, 1), got {args.dropout}", "pass e.g. 0.1, or 0 for none")
@@ -114,7 +115,9 @@ def setup(args):
     else:
         device = torch.device("cpu")
     dist.init_process_group(args.backend, rank=rank, world_size=world_size,
-                            store=attempt_store(rank, world_size, args.timeout),  # torchrun: this attempt's keys
+                            # torchrun from torch 2.5 keeps one store across restarts: a restarted rank reads the
+                            # dead attempt's keys (pytorch#135712). This attempt's part of it; None: env://
+                            store=attempt_store(rank, world_size, args.timeout),
                             timeout=timedelta(seconds=args.timeout),
                             device_id=device if args.backend == "nccl" else None)
     return device
@@ -126,30 +129,24 @@ def cleanup():
 
 
 # ---------------------------------------------------------------- data
-class TeacherLabels(Dataset):
+def teacher_labels(size, seed):
     """`size` inputs of 32 random features, each labelled with the largest of 4 outputs of a fixed random map.
+    Seeded: the sampler shards indices, and an index means the same sample on every rank only if the data does."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, 32, generator=g)
+    return TensorDataset(x, (x @ torch.randn(32, 4, generator=g)).argmax(dim=1))
 
-    Built from a seeded generator, so every rank holds the same data set: the sampler shards indices, and
-    an index means the same sample on every rank only if the data does."""
 
-    def __init__(self, size, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(size, 32, generator=g)
-        self.y = (self.x @ torch.randn(32, 4, generator=g)).argmax(dim=1)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, index):
-        return self.x[index], self.y[index]
+def datasets(args):
+    # PORT (data): your (input, target) Dataset, the same on every rank (seed it): a part held out, or your test set
+    dataset = teacher_labels(args.samples + args.val_samples, args.seed)
+    return random_split(dataset, [len(dataset) - args.val_samples, args.val_samples],
+                        generator=torch.Generator().manual_seed(args.seed))
 
 
 def make_loaders(args, device):
     """Training: a reshuffled 1/world of the data per rank. Validation: every held-out sample once."""
-    # PORT (data): your Dataset of (input, target) pairs, the same on every rank (seed it); a part is held out
-    dataset = TeacherLabels(args.samples + args.val_samples, seed=args.seed)
-    train_set, val_set = random_split(dataset, [len(dataset) - args.val_samples, args.val_samples],
-                                      generator=torch.Generator().manual_seed(args.seed))
+    train_set, val_set = datasets(args)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if len(val_set) < world_size:  # a rank without a batch would skip the validation's collective
         fail(f"{len(val_set)} validation samples for {world_size} processes", "hold out at least one per process")
@@ -166,10 +163,10 @@ def make_loaders(args, device):
 def build(args, device):
     """The model on this process's device, its optimizer, learning-rate schedule and GradScaler."""
     torch.manual_seed(args.seed)  # DDP hands rank 0's initial weights to every rank anyway
-    width, p = args.hidden, args.dropout
     # PORT (model): your nn.Module, built on the CPU; the optimizer below takes its parameters
-    model = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Dropout(p), nn.Linear(width, 4))
+    model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(args.hidden, 4))
     model.to(device)
+    # PORT (optimizer): yours, and its schedule; the template's: AdamW, a linear warm-up, then halving
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup, half_life = args.warmup_steps, args.lr_half_life  # the rate at a step: never the run's length
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -180,8 +177,7 @@ def build(args, device):
 
 # ---------------------------------------------------------------- the loop
 def seed_this_rank(seed, epoch):
-    """Dropout masks and every other random draw differ between ranks (the same on all would repeat one
-    mask across the global batch), and an epoch draws the same whether the run was resumed or not."""
+    """Each rank its own draws (dropout masks, noise), and the same ones for an epoch whether resumed or not."""
     seed = hash((seed, epoch, dist.get_rank())) % 2 ** 63  # ints hash alike in every process
     torch.manual_seed(seed)
     random.seed(seed)
@@ -192,8 +188,8 @@ def train_one_epoch(model, loader, epoch, optimizer, scheduler, scaler, progress
     loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
     model.train()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # on the device: no host sync per step
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    for batch in loader:
+        inputs, targets = to_device(batch, device)
         with torch.autocast(device.type, dtype=AMP_DTYPES[args.amp], enabled=args.amp != "off"):
             # PORT (loss): your loss of (output, target), a mean over this rank's batch
             loss = F.cross_entropy(model(inputs), targets)
@@ -204,36 +200,37 @@ def train_one_epoch(model, loader, epoch, optimizer, scheduler, scaler, progress
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         scaler.step(optimizer)
         scaler.update()
-        scheduler.step()
+        scheduler.step()  # PORT (schedule): one that steps once an epoch (StepLR) steps in train() instead
         progress["step"] += 1
         totals += torch.stack([loss.detach().double() * len(targets), totals.new_tensor(len(targets))])
         if args.log_every and progress["step"] % args.log_every == 0:  # on every rank: it holds a collective
-            print0(f"step {progress['step']} | loss {mean_over_ranks(loss):.4f} | lr {scheduler.get_last_lr()[0]:.3g}")
+            dist.all_reduce(logged := loss.detach().float().clone())  # and a host sync: every N steps, not each
+            print0(f"step {progress['step']} | loss {logged.item() / dist.get_world_size():.4f} | "
+                   f"lr {scheduler.get_last_lr()[0]:.3g}")
     return totals
 
 
-def mean_over_ranks(loss):
-    """The batch loss averaged over every rank (one small all-reduce, and a host sync: every N steps, not each)."""
-    loss = loss.detach().float().clone()
-    dist.all_reduce(loss)
-    return loss.item() / dist.get_world_size()
+def to_device(batch, device):
+    """A batch's tensors on `device`: several inputs per sample come as a list, and your model gets it whole."""
+    if isinstance(batch, (list, tuple)):
+        return [to_device(part, device) for part in batch]
+    return batch.to(device, non_blocking=True)
 
 
 @torch.no_grad()
 def evaluate(module, loader, args, device):
     """The validation metrics over every held-out sample once, on every rank: sums and a count, all-reduced.
-    `module` is the model inside DDP: a forward through the wrapper can be a collective (it broadcasts
-    buffers), and this one needs none."""
+    `module` is the model inside DDP: a forward through the wrapper can be a collective (buffers' broadcast)."""
     module.eval()
     sums, count = {}, torch.zeros((), dtype=torch.float64, device=device)
-    for inputs, targets in loader:
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    for batch in loader:
+        inputs, targets = to_device(batch, device)
         with torch.autocast(device.type, dtype=AMP_DTYPES[args.amp], enabled=args.amp != "off"):
             outputs = module(inputs).float()
         # PORT (evaluation): your metrics as sums over the batch, by name (each is divided by the count)
-        batch = {"val_loss": F.cross_entropy(outputs, targets, reduction="sum"),
-                 "val_accuracy": (outputs.argmax(dim=1) == targets).sum()}
-        sums = {name: sums.get(name, 0) + value.double() for name, value in batch.items()}
+        metrics = {"val_loss": F.cross_entropy(outputs, targets, reduction="sum"),
+                   "val_accuracy": (outputs.argmax(dim=1) == targets).sum()}
+        sums = {name: sums.get(name, 0) + value.double() for name, value in metrics.items()}
         count += len(targets)
     totals = torch.stack([*sums.values(), count])
     dist.all_reduce(totals)  # one collective for all of them, after the loop
@@ -241,9 +238,8 @@ def evaluate(module, loader, args, device):
 
 
 def same_buffers(module):
-    """Rank 0's buffers (BatchNorm's statistics) on every rank: DDP broadcasts them before a training forward,
-    then each rank updates them with its own batch, so they end different. Validation and the checkpoint
-    then use the same ones. A no-op for a model without buffers."""
+    """Rank 0's buffers (BatchNorm's statistics) on every rank, for validation and the checkpoint: DDP broadcasts
+    them before a training forward, then each rank updates them with its own batch, so they end different."""
     for buffer in module.buffers():
         dist.broadcast(buffer, src=0)
 
@@ -253,10 +249,10 @@ def save(model, optimizer, scheduler, scaler, progress, args):
     """Rank 0 writes, atomically; every rank waits until the file is complete."""
     if dist.get_rank() == 0:
         # PORT (state): whatever your run needs to continue exactly; "progress" holds plain values only
+        # no top-level "step" (progress has it): the lines that name a checkpoint would say "step 64", not its epoch
         save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                         "epoch": progress["epoch"], "step": progress["step"], "progress": progress},
-                        args.checkpoint)
+                         "epoch": progress["epoch"], "progress": progress}, args.checkpoint)
     dist.barrier()
 
 
@@ -264,8 +260,8 @@ def resume(model, optimizer, scheduler, scaler, args, steps_per_epoch):
     """The progress to continue from: the checkpoint's (--resume, or torchrun restarting this job), else a new one."""
     progress = {"epoch": 0, "step": 0, "best_val_loss": None, "history": []}
     if args.resume:  # the weights and the optimizer's state, checked and loaded; the rest as it was saved
-        state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scheduler", "scaler", "epoch", "step",
-                                                  "progress"), {"model": model}, {"optimizer": optimizer})
+        state = load_checkpoint(args.checkpoint, ("model", "optimizer", "scheduler", "scaler", "epoch", "progress"),
+                                {"model": model}, {"optimizer": optimizer})
         scheduler.load_state_dict(plain_state(args.checkpoint, "scheduler", state, scheduler.state_dict()))
         if state["scaler"] and scaler.is_enabled():  # a disabled scaler saves {}; fp16 now: it starts afresh
             scaler.load_state_dict(plain_state(args.checkpoint, "scaler", state, scaler.state_dict()))
@@ -285,7 +281,9 @@ def train(device, args):
     resumed_from, steps_before = progress["epoch"], progress["step"]
     say_if_nothing_left(args.checkpoint, "epoch", resumed_from, "--epochs", args.epochs)
     ddp = DDP(model, device_ids=[device.index] if device.type != "cpu" else None,
-              process_group=ddp_group(args.timeout))  # DETAIL-safe: see the harness's ddp_group
+              # torch 2.14 and 2.15 segfault in DDP() on gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL: there an
+              # unchecked group of every rank, else None (the default group)
+              process_group=ddp_group(args.timeout))
     print0(f"{plural(dist.get_world_size(), 'process')} on {device.type} ({dist.get_backend()}) | batch "
            f"{args.batch_size} per process | {len(train_loader)} steps per epoch | epochs {progress['epoch']} -> {args.epochs}")
     start = time.perf_counter()
@@ -302,6 +300,7 @@ def train(device, args):
         progress.update(epoch=epoch + 1, best_val_loss=val["val_loss"] if best is None else min(best, val["val_loss"]))
         progress["history"].append({"epoch": epoch + 1, "loss": loss_sum / samples, "samples": samples,
                                     "seconds": seconds, "lr": scheduler.get_last_lr()[0], **val})
+        # PORT (schedule): one that steps once an epoch steps here, before save() (ReduceLROnPlateau: val_loss)
         save(model, optimizer, scheduler, scaler, progress, args)
         print0(f"epoch {epoch + 1}/{args.epochs} | loss {loss_sum / samples:.4f} | {measured(val)} | "
                f"{samples / seconds:.0f} samples/s | {seconds:.1f} s")

@@ -99,9 +99,9 @@ def test_gan_checkpoint_holds_both_models_and_optimizers(gan, capsys):
     mine, _ = gan
     state = torch.load(mine.parent / "mine.pt", weights_only=True)
     steps = EPOCHS * STEPS_PER_EPOCH
-    assert {"generator", "discriminator", "opt_g", "opt_d", "sched_g", "sched_d", "scaler", "epoch", "step",
+    assert {"generator", "discriminator", "opt_g", "opt_d", "sched_g", "sched_d", "scaler", "epoch",
             "progress", "job", "world_size"} <= set(state), sorted(state)
-    assert (state["epoch"], state["step"], state["world_size"]) == (EPOCHS, steps, 2)
+    assert (state["epoch"], state["progress"]["step"], state["world_size"]) == (EPOCHS, steps, 2)
     for name in ("generator", "discriminator"):  # the modules' own names: no DDP "module." prefix
         assert {"1.running_mean", "1.running_var", "1.num_batches_tracked"} <= set(state[name]), sorted(state[name])
         assert not any(key.startswith("module.") for key in state[name])
@@ -114,7 +114,7 @@ def test_gan_checkpoint_holds_both_models_and_optimizers(gan, capsys):
     port = imported(mine)
     args = port.parse_args(["--device", "cpu", *SIZES])
     models, optimizers, schedulers, _ = port.build(args, torch.device("cpu"))
-    keys = (*models, *optimizers, *schedulers, "scaler", "epoch", "step", "progress")
+    keys = (*models, *optimizers, *schedulers, "scaler", "epoch", "progress")
     try:
         port.load_checkpoint(str(mine.parent / "mine.pt"), keys, models, optimizers)
     except SystemExit:

@@ -4,6 +4,7 @@ put into the copy as the guide says (a function of the same name replaced, a new
 CPU with gloo. Each port must learn, agree across replicas, and match its world-of-one run where the maths
 says it must. The template itself: flags, exact validation, exact resume, DETAIL."""
 import ast
+import contextlib
 import math
 import json
 import re
@@ -74,6 +75,28 @@ def fingerprint(out):
     return re.search(r"replicas: in sync \(2 ranks, fingerprint (\S+)\)", out).group(1)
 
 
+def imported(path, name):
+    """A script as a module (importing starts nothing)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def world_of_one(tmp_path, monkeypatch):
+    """A process group of this test process alone (gloo), as a plain `python mine.py` has."""
+    import torch.distributed as dist
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- the template itself
 def template(mine, *args):
     from conftest import torchrun_cmd
@@ -118,28 +141,73 @@ def test_template_learns_validates_exactly_and_survives_detail(template_run):
 
 @TEMPLATE
 def test_template_checkpoint_holds_the_whole_run(template_run):
+    """...and is named by its epoch, the run's unit, in the line a rerun or Ctrl-C prints (a top-level "step"
+    made them say `step 75`)."""
     import torch
     work, _ = template_run
     state = torch.load(work / "mine.pt", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "progress", "job", "world_size"} <= set(state)
-    assert (state["epoch"], state["step"], state["world_size"]) == (3, 75, 2), state["progress"]
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "progress", "job", "world_size"} <= set(state)
+    assert (state["epoch"], state["progress"]["step"], state["world_size"]) == (3, 75, 2), state["progress"]
     assert state["scheduler"]["last_epoch"] == 75 and len(state["progress"]["history"]) == 3
+    mine = imported(work / "mine.py", "template_port")
+    assert mine.describe_checkpoint(str(work / "mine.pt")) == f"checkpoint at epoch 3 kept in {work / 'mine.pt'}"
+
+
+def test_every_port_place_is_found_by_grep():
+    """`grep -n "# PORT"` lists every place, the flags and checks too (they said `\"\"\"PORT (flags)`), and the
+    optimizer and its schedule are places: a port that keeps them trains the template's recipe."""
+    source = (ROOT / "ddp_template.py").read_text()
+    places = re.findall(r"PORT \((\w+)\)", source)
+    assert len(places) == source.count("# PORT ("), [line for line in source.splitlines() if "PORT (" in line]
+    assert set(places) == {"flags", "checks", "optimizer", "data", "model", "loss", "schedule", "evaluation", "state"}
+    train = source[source.index("\ndef train("):source.index("\ndef main(")]
+    assert "# PORT (schedule)" in train and "# PORT (schedule)" in source[source.index("\ndef train_one_epoch("):]
+
+
+def test_flags_are_exact_and_clipping_is_off_unless_asked(capsys):
+    """`--batch` was "ambiguous option: could match --batch_size, --batch-size" (argparse's prefixes against one
+    flag's two spellings); now unrecognized, as any prefix. Every spelling the contract names still parses."""
+    t = imported(ROOT / "ddp_template.py", "ddp_template_flags")
+    with pytest.raises(SystemExit) as exit_:
+        t.parse_args(["--batch", "8"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "error: unrecognized arguments: --batch 8" in err and "ambiguous" not in err, err
+    assert [t.parse_args([flag, "8"]).batch_size for flag in ("--batch_size", "--batch-size", "-b")] == [8, 8, 8]
+    assert [t.parse_args([flag, "2"]).epochs for flag in ("--epochs", "--max_epochs", "-e")] == [2, 2, 2]
+    assert t.parse_args([]).clip == 0 and t.parse_args(["--clip", "1"]).clip == 1
+
+
+def test_a_per_epoch_schedule_steps_at_its_mark(tmp_path, monkeypatch):
+    """docs/porting.md's per-epoch schedule: StepLR(step_size=1, gamma=0.7) in build(), its step moved from the
+    batch loop's `# PORT (schedule)` to the one in train(). Two epochs (8 steps each) train at the rate, then at
+    0.7 of it, and the checkpoint holds the schedule after 2 steps (in the batch loop: 0.7^8 after the first epoch)."""
+    import torch
+    source = (ROOT / "ddp_template.py").read_text()
+    source, made = re.subn(r"    warmup, half_life = .*?\n    scheduler = .*?\)\)\n",
+                           "    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)\n",
+                           source, flags=re.DOTALL)
+    source, moved = re.subn(r"\n +scheduler\.step\(\)  # PORT \(schedule\).*", "", source)
+    source, put = re.subn(r"\n( +)(# PORT \(schedule\).*)", r"\n\1\2\n\1scheduler.step()", source)
+    assert (made, moved, put) == (1, 1, 1), (made, moved, put)
+    (tmp_path / "mine.py").write_text(source)
+    mine = imported(tmp_path / "mine.py", "template_per_epoch")
+    argv = ["--device", "cpu", "-e", "2", "--samples", "256", "--val_samples", "10", "-b", "32",
+            "--checkpoint", str(tmp_path / "mine.pt")]
+    monkeypatch.setattr(sys, "argv", ["mine.py", *argv])
+    with world_of_one(tmp_path, monkeypatch):
+        assert mine.train(torch.device("cpu"), mine.check_args(mine.parse_args(argv)))
+    state = torch.load(tmp_path / "mine.pt", weights_only=True)
+    assert [h["lr"] for h in state["progress"]["history"]] == pytest.approx([3e-3, 3e-3 * 0.7]), state["progress"]
+    assert state["scheduler"]["last_epoch"] == 2 and state["progress"]["step"] == 16, state
 
 
 def test_template_resume_restores_every_entry_and_refuses_a_foreign_one(tmp_path, monkeypatch, capsys):
     """save() then resume() in this process, on a world of one: the weights, the optimizer, the schedule and
     the progress come back; a schedule entry of another kind is one line, exit 2."""
-    import importlib.util
     import torch
-    import torch.distributed as dist
-    spec = importlib.util.spec_from_file_location("ddp_template_in_process", ROOT / "ddp_template.py")
-    t = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(t)
-    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
-        monkeypatch.delenv(name, raising=False)
+    t = imported(ROOT / "ddp_template.py", "ddp_template_in_process")
     args = t.parse_args(["--device", "cpu", "--checkpoint", str(tmp_path / "t.pt"), "--hidden", "8"])
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with world_of_one(tmp_path, monkeypatch):
         model, optimizer, scheduler, scaler = t.build(args, torch.device("cpu"))
         model(torch.randn(4, 32)).sum().backward()
         optimizer.step()
@@ -161,8 +229,6 @@ def test_template_resume_restores_every_entry_and_refuses_a_foreign_one(tmp_path
         assert exit_.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
             f"error: {args.checkpoint} is not a checkpoint of this script: its scheduler entry is not this run's "
             "scheduler (delete it to start afresh, or point --checkpoint at one this script wrote)"]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two more launches; the default tier checks what the checkpoint holds, and resume() in process
@@ -178,6 +244,27 @@ def test_template_resumes_exactly(template_run, launch, tmp_path):
     assert "epochs 2 -> 3" in resumed.stdout and r["resumed_from_epoch"] == 2 and r["steps"] == 25, resumed
     assert fingerprint(resumed.stdout) == fingerprint(whole.stdout), (resumed, whole)
     assert r["losses"] == w["losses"] and r["val_losses"] == w["val_losses"], (r, w)
+
+
+# ---------------------------------------------------------------- several inputs, a test set of one's own
+SIAMESE = "### Several inputs per sample, and a test set of your own: a siamese network"
+
+
+def test_siamese_port_learns_on_its_own_test_set(tmp_path):
+    """The section's blocks: pairs of inputs through the template's loops (to_device moves the list, the model
+    takes it whole, its encoder used twice in a forward), validated on a test set of their own, every pair once."""
+    from conftest import run_bounded
+    mine = write_port(tmp_path, *blocks(SIAMESE))
+    r = run_bounded(template(mine, "--metrics", "m.json"), tmp_path, timeout=180)
+    m = read(tmp_path / "m.json")
+    assert (m["val_samples"], m["steps_per_epoch"], m["epochs"]) == (1001, 32, 5) and m["replicas_in_sync"], m
+    # about half the pairs are "the same": always answering "different" scores 0.51 on this test set
+    assert m["val_accuracy"] > 0.85 and m["val_loss"] < 0.4 * m["val_losses"][0], m
+    assert "Traceback" not in r.stderr, r
+    port_module = imported(mine, "siamese_port")
+    train_set, test_set = port_module.datasets(port_module.parse_args(["--device", "cpu"]))
+    assert (type(train_set).__name__, len(train_set), type(test_set).__name__, len(test_set)) == (
+        "SamePairs", 4096, "SamePairs", 1001)  # the test set whole, not a part held out of the training set
 
 
 # ---------------------------------------------------------------- a model with state: the LSTM section
