@@ -945,9 +945,17 @@ def fail(what, fix, every_rank=False, every_node=False):
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank == 0 or every_rank or (every_node and int(os.environ.get("LOCAL_RANK", rank)) == 0):
         report_error(f"error: {what} ({fix})" + (f" [rank {rank}]" if rank else ""))
-    elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-        time.sleep(30)  # stopped once rank 0 left; leaving first, it was torchrun's root cause in 1 launch of 8
+    else:
+        wait_to_be_stopped()
     sys.exit(2)
+
+
+def wait_to_be_stopped():
+    """Under a launcher, a rank that did not say why waits (at most 30 s) to be stopped once the one that said it
+    has exited: torchrun names the first rank to fail as the root cause, and a silent rank that left at once was
+    named instead (`To enable traceback see ...`) in 1 launch of 8. The only wait that steers torchrun's choice."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
+        time.sleep(30)
 
 
 def report_error(line):
@@ -1131,8 +1139,8 @@ def explained_failures(timeout, kept=None):
             raise
         if line:
             report_error(f"error: {line}; {kept()} [rank {dist.get_rank()}]")
-        elif "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None:
-            time.sleep(30)  # another rank says it; the launcher stops this one once that rank has exited
+        else:
+            wait_to_be_stopped()
         raise SystemExit(1) from None
 
 
@@ -1309,8 +1317,8 @@ def replicas_verdict(every, fingerprint):
     if differ and dist.get_rank() == 0:
         report_error(f"error: the replicas differ after training: ranks {differ}{where} (find the update made on "
                      "one rank alone, or the buffer no collective syncs: docs/when_things_go_wrong.md)")
-    elif differ and "TORCHELASTIC_RUN_ID" in os.environ:  # bounded: torchrun stops this rank once rank 0 has exited,
-        atexit.register(time.sleep, 30)  # so rank 0, which said why, is its root cause with its own exit code 1
+    elif differ:  # at exit, so that rank 0, with its exit code 1, is torchrun's root cause
+        atexit.register(wait_to_be_stopped)
     return not differ
 
 
