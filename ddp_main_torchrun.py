@@ -911,6 +911,7 @@ import pickle
 import signal
 import threading
 import traceback
+import warnings
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -1453,7 +1454,8 @@ def checkpoint_data(path):
     (open_plain); onto the CPU (load_state_dict moves each tensor to its parameter). Unreadable: one line per
     machine. torch's reader bounds no work or memory by the file's size (docs/faults.md)."""
     try:
-        with open(open_plain(path), "rb") as f:
+        with open(open_plain(path), "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")

@@ -2067,11 +2067,10 @@ def say_if_nothing_left(path, unit, reached, flag, target):
 # ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, in its folder
 class MetadataUnpickler(pickle._Unpickler):
     """DCP's `.metadata` is a pickle, which DCP reads with pickle.load (code runs). This one admits only the
-    (module, name) pairs of ADMITTED, exactly, so a payload (a __reduce__ naming any other callable, or a
-    dotted name that walks from an admitted module to `os.system`) is refused before it runs; paths become
-    pure paths (no I/O). Python's own unpickler (the C one's opcodes cannot be overridden), so that BUILD,
-    which sets attributes on whatever object it is given, sets them only on DCP's records made by this
-    pickle: never on a class, a function or an enum member (process-wide)."""
+    (module, name) pairs of ADMITTED, exactly, so a payload (a __reduce__ naming any other callable, or a dotted
+    name that walks from an admitted module to `os.system`) is refused before it runs; paths become pure paths.
+    Python's own unpickler (the C one's opcodes cannot be overridden), so that BUILD sets attributes only on
+    DCP's records made by this pickle, never on a class, a function or an enum member (process-wide)."""
     RECORDS = (_metadata.Metadata, _metadata.TensorStorageMetadata, _metadata.TensorProperties, _metadata.StorageMeta,
                _metadata.ChunkStorageMetadata, _metadata.MetadataIndex, _filesystem._StorageInfo)
     ADMITTED = {(kind.__module__, kind.__name__): kind for kind in RECORDS}

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import warnings
 import zipfile
 
 import pytest
@@ -577,6 +578,24 @@ def test_a_value_nested_deep_or_holding_itself_loads(tmp_path, capsys, monkeypat
         assert loads_or_one_line(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run")),
                                  capsys) == "loaded"
         assert time.monotonic() - start < 10
+
+
+def test_a_refused_pt_file_is_one_line_without_torchs_warnings(tmp_path, capsys, monkeypatch):
+    """torch's reader warns on its way to a refusal (found by the fuzz: a REDUCE that calls a storage, which
+    torch compares with its allowlist, warning that TypedStorage is deprecated): the one `error:` line is
+    all the user sees."""
+    monkeypatch.delenv("RANK", raising=False)
+    path = tmp_path / "ck.pt"
+    storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x01tQ"
+    pt_with_pickle(path, b"\x80\x02" + storage + b"K\x00R.", like={"model": {"w": torch.ones(1)}})
+    torch.storage._set_always_warn_typed_storage_removal(True)  # torch warns once a process otherwise
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "refused unread")
+    finally:
+        torch.storage._set_always_warn_typed_storage_removal(False)
+    assert not seen, [str(w.message) for w in seen]
 
 
 def test_a_linked_checkpoint_is_refused_with_the_file_it_names(tmp_path, capsys, monkeypatch):
