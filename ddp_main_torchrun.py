@@ -905,16 +905,13 @@ def prepare(path, card):
 # =============================================================================
 import atexit
 import gc
-import io
 import json
 import multiprocessing
 import pickle
-import pickletools
 import signal
-import struct
 import threading
 import traceback
-import zipfile
+import warnings
 from torch.distributed.elastic.utils.distributed import get_free_port
 
 
@@ -1473,181 +1470,48 @@ def load_checkpoint(path, keys, model=None, optimizers=None):
 
 
 def checkpoint_data(path):
-    """torch.load with weights_only: plain data, so a pickled object is refused before it runs; onto the CPU
-    (load_state_dict moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from
-    what it checked. Unreadable: one line per machine."""
+    """torch.load with weights_only, so a pickled object is refused before it runs, from a plain file
+    (open_plain); onto the CPU (load_state_dict moves each tensor to its parameter). Unreadable: one line per
+    machine. torch's reader bounds no work or memory by the file's size (docs/faults.md)."""
     try:
-        return torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
+        with open(open_plain(path), "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
+    except Exception as e:  # OSError (ELOOP: a link), not a plain file, a bad zip, MemoryError, ...
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
              f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
              else "it is unreadable or truncated; delete it to start afresh", every_node=True)
 
 
-def holds_tensor(value):
-    """Whether a tensor lies anywhere in `value` (check_pickle bounded its nesting and its size)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    return any(map(holds_tensor, value.values() if isinstance(value, dict) else value
-                   if isinstance(value, (list, tuple)) else ()))
-
-
-def read_checked(path, tensors=True):
-    """torch.save's zip at `path` for torch.load, written anew by repacked from the entries it checked, so torch
-    reads what was checked: read from one descriptor opened without following a link or waiting on a FIFO, of
-    a regular file with one link (fstat), so a file swapped in after the check is never read. tensors=False:
-    its tensors' records left empty and unread, for torch.load(map_location="meta") to read the counters in
-    bounded memory."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:  # ELOOP: a symbolic link (load_checkpoint says to pass the file it names)
-        raise OSError(errno.ELOOP, "a symbolic link, not followed") if e.errno == errno.ELOOP else e
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
-            raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
-        with open(fd, "rb", closefd=False) as f:
-            return repacked(f, tensors)[0]
-    finally:
+def open_plain(path, flags=os.O_RDONLY):
+    """A descriptor of `path`, opened without following a link (OSError ELOOP, "Too many levels of symbolic
+    links") or waiting on a FIFO, once it is a regular file of one link (fstat; a hard link is a file of some
+    other folder too), else ValueError."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # 0: removed since it was opened
         os.close(fd)
+        raise ValueError(f"{path} is refused: it is not a plain file of one link (a FIFO, a device, a folder "
+                         f"or a file of {info.st_nlink} links)")
+    return fd
 
 
-def repacked(f, tensors=True):
-    """(the zip in file `f` written anew from what zipfile read of it, its data.pkl) once it is torch.save's and
-    torch's reader of `f` would read the same: one central directory (central_directory), named as zipfile
-    found it; entries stored (none inflates), not encrypted, adding up to no more than the file, named once
-    (torch looks names up whatever their case) under one folder with a data.pkl, whose pickle is bounded
-    (check_pickle); else ValueError. tensors=False: the tensors' records (`data/N`) left empty, unread."""
-    count, directory_at = central_directory(f)
-    archive = zipfile.ZipFile(f)
-    entries, names = archive.infolist(), archive.namelist()
-    folder = names[0].split("/")[0] + "/" if names else "/"  # torch reads the records under the first entry's folder
-    if any(e.flag_bits & 1 or e.compress_type or e.compress_size != e.file_size for e in entries):
-        raise ValueError("its zip entries are compressed or encrypted; torch.save stores each")
-    if archive.start_dir != directory_at or len(entries) != count or sum(e.file_size for e in entries) > directory_at:
-        raise ValueError("its zip central directory is not the one its end record names, or its entries overlap")
-    if f"{folder}data.pkl" not in names or len({n.lower() for n in names}) < len(names) or \
-            not all(n.startswith(folder) for n in names):
-        raise ValueError("its zip is not torch.save's (no data.pkl, entries outside its folder or named twice)")
-    pickled = archive.read(f"{folder}data.pkl")  # read once: the bytes checked are the bytes written
-    check_pickle(pickled)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as fresh:
-        for name in names:
-            unread = not tensors and "/data/" in name.lower()
-            fresh.writestr(name, pickled if name == f"{folder}data.pkl" else b"" if unread else archive.read(name))
-    return out.getvalue(), pickled
-
-
-def central_directory(f):
-    """(entries, offset) of the central directory of the zip in file `f` as torch's reader takes them (the end
-    record's, or its zip64 twin's where saturated), once zipfile must take the same (it finds the end record by
-    its place): the end record last (no comment), its zip64 twin agreeing, the directory right before them."""
-    size = f.seek(0, 2)
-    f.seek(max(size - 98, 0))
-    tail = f.read()
-    end, locator = tail[-22:], tail[-42:-22] if size >= 98 else b""
-    if len(end) != 22 or end[:4] != b"PK\x05\x06":
-        raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
-    disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
-    edge = size - 22
-    if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
-        record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
-        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", tail[:56])
-        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
-        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
-                short not in (full, value) for short, full, value in
-                zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
-            raise ValueError("its zip64 end record disagrees with its end record")
-        (here, count, cd_size, cd_at), edge = wide, size - 98
-    if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
-        raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
-    return count, cd_at
-
-
-def check_pickle(data, object_keys=False):
-    """ValueError unless unpickling `data` (by any unpickler) is work about linear in its size. A dry run of
-    its stack, where each object weighs the nodes it stands for with memo references expanded (a BINGET
-    pushes the weight of what it names: a tuple of two references to the one below, 64 deep, is 2^64 nodes
-    in 335 bytes), against a few nodes a byte; nesting bounded; no object changed once referenced (its weight
-    would be stale); dict keys and set items small and of a kind whose hash no one can collide at scale: str
-    (hashed with a per-process secret), an int of 31 bits (150,000 ints k x (2^61 - 1) share one hash), and
-    with object_keys an object."""
-    limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
-    for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
-        floor = marks[-1] if marks else 0
-        if op.name == "MARK":
-            marks.append(len(stack))
-        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
-            if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
-            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
-            stack[-1][3] = True  # referenced: its weight is final
-        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
-            text = arg if isinstance(arg, str) else None
-            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
-                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
-            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(memo) if op.name == "MEMOIZE" else arg
-            if len(stack) <= floor or index > len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
-            memo[index:index + 1] = [stack[-1]]
-        elif op.name == "FRAME" and arg > len(data) - at:
-            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
-        elif op.name == "POP" and len(stack) == floor and marks:
-            marks.pop()
-        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
-            if made[0] > limit or made[1] > 100:
-                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
-                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
-            stack.append(made)
-
-
-def taken_off(op, at, stack, marks):
-    """The objects `op` takes off the stack, bottom first: down to its mark, with what it needs below that."""
-    names = [s.name for s in op.stack_before]
-    below = names.index("mark") if "mark" in names else len(names)
-    if "mark" in names and not marks:
-        raise ValueError(f"its pickle's {op.name} at byte {at} has no mark")
-    start = (marks.pop() if "mark" in names else len(stack)) - below
-    if start < (marks[-1] if marks else 0):
-        raise ValueError(f"its pickle's {op.name} at byte {at} finds too few objects")
-    taken = stack[start:]
-    del stack[start:]
-    return taken
-
-
-def folded(op, at, taken, object_keys):
-    """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
-    took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
-    fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
-    parts = taken[1:] if fills else taken
-    pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
-    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
-    if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
-                                       for k in keys):
-        raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
-    if fills and taken[0][3]:
-        raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
-    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
-            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
-            "builtins set", "builtins frozenset"):
-        raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
-    weight, depth = 0, 0
-    for cell in parts:
-        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
-    if fills:
-        taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
-        return taken[0]
-    if not op.stack_after:
-        return None
-    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
-    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
+def holds_tensor(value):
+    """Whether a tensor lies anywhere in `value`: each object looked at once, without recursion (torch's
+    reader bounds neither nesting nor a list that holds itself)."""
+    todo, seen = [value], set()
+    while todo:
+        value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            todo.extend(value.values() if isinstance(value, dict) else value)
+    return False
 
 
 def check_and_load_weights(path, state, model, entry="model"):
@@ -1793,9 +1657,11 @@ def describe_checkpoint(path):
 
 
 def peek_checkpoint(path):
-    """The checkpoint's counters and stamps, its tensors left unread (shapes on the meta device): the memory of
-    its small entries, however large the file; read and checked as load_checkpoint's (read_checked)."""
-    return torch.load(io.BytesIO(read_checked(path, tensors=False)), map_location="meta", weights_only=True)
+    """The checkpoint's counters and stamps, its tensors mapped (mmap=True) and never read: the memory of its
+    small entries, however large the file (map_location="meta" read every tensor before pytorch/pytorch#170619,
+    December 2025). Checked as load_checkpoint's file is (open_plain) first: mmap takes a path, not a file."""
+    os.close(open_plain(path))
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
 def where_checkpoint_is(state):

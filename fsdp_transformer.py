@@ -52,7 +52,7 @@ resharded on load, so a run saved at one world size resumes at another. A save c
 `latest.json` names it (written atomically by rank 0 after every rank finished; it holds what is not a
 tensor, as JSON), so a run killed mid-save resumes from the previous one. Read as data, not code (the
 harness's `safe DCP` recipe: `.metadata` unpickled admitting DCP's classes alone, no non-tensor entry,
-each file opened once by name in its folder, no link, FIFO, hard link or mount). Rank 0 locks the
+each file opened in its folder, no link, FIFO or hard link). Rank 0 locks the
 folder; another run's is continued only with --resume (the job's own, after a restart, without).
 The lesson (down to `beyond the lesson`) differs from ddp_transformer.py's in 418 lines (at most 420:
 test_layout counts them): the sharding, its checkpoint folder, --accumulate and --export.
@@ -578,12 +578,11 @@ def read_checkpoint(args, corpus):
 
 def save_tensors(tensors, root, folder):
     """DCP writes root/folder (made by save_folder): each rank its own shards, then rank 0 the .metadata,
-    after every rank has written, each file created in the folder's descriptor (SafeWriter). A write that
+    after every rank has written, each file created new in the folder (SafeWriter). A write that
     fails on any rank (a full disk, a read-only folder, a name planted in the folder) fails on every rank
     (DCP gathers them): one error line, this save's folder deleted, the pointer's save kept."""
     try:
-        with SaveFolder(root, folder) as save:
-            dcp.save(tensors, storage_writer=SafeWriter(save))
+        dcp.save(tensors, storage_writer=SafeWriter(os.path.join(root, folder)))
     except (Exception, dcp.CheckpointException) as e:
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:
             remove_save(root, folder)
@@ -676,8 +675,7 @@ class Run:
         start = time.perf_counter()
         tensors, groups = self.tensors()
         try:
-            with SaveFolder(self.args.checkpoint, state["folder"]) as save:  # each file read where it was checked
-                dcp.load(tensors, storage_reader=SafeReader(save))
+            dcp.load(tensors, storage_reader=SafeReader(os.path.join(self.args.checkpoint, state["folder"])))
         except (Exception, dcp.CheckpointException) as e:  # DCP gathers every rank's failures into one BaseException
             fail(f"cannot read checkpoint {self.args.checkpoint} ({failure_of(e)})",
                  "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
@@ -823,7 +821,6 @@ import fcntl
 import gc
 import json
 import re
-import stat
 
 POINTER = "latest.json"  # in the --checkpoint folder: the save that counts
 # the folder of one save, its step at 8 digits or more (f"{step:08d}"): step-00000060, step-00000060-1, step-100000000
@@ -1196,17 +1193,11 @@ def resume_at_another_world_size(args, state, world):
 
 
 def read_metadata(folder):
-    """The save's `.metadata` (`folder`: the save's path, or its SaveFolder), unpickled by unpickle_metadata
-    and checked by check_metadata; a missing or foreign one is one error line."""
-    if not isinstance(folder, SaveFolder):
-        root, name = os.path.split(os.path.normpath(folder))
-        with SaveFolder(root or ".", name) as save:
-            return read_metadata(save)
-    path = os.path.join(folder.path, ".metadata")
-    try:
-        os.stat(".metadata", dir_fd=folder.fd, follow_symlinks=False)
-    except FileNotFoundError:
-        fail(f"{folder.path} is incomplete: it has no .metadata (a save that did not finish)",
+    """The `.metadata` of the save `folder` (a path), read and checked by metadata_of; a missing or foreign
+    one is one error line."""
+    path = os.path.join(folder, ".metadata")
+    if os.path.isdir(folder) and not os.path.lexists(path):
+        fail(f"{folder} is incomplete: it has no .metadata (a save that did not finish)",
              f"resume from a folder that {POINTER} names, or delete the checkpoint folder", every_node=True)
     try:
         return metadata_of(folder)
@@ -1215,14 +1206,14 @@ def read_metadata(folder):
              "wrote; delete it to start afresh", every_node=True)
 
 
-def check_tensors(save, model):
-    """The save (a SaveFolder) must hold this model's weights, each a tensor of its shape (read_metadata
-    admits tensors only)."""
-    saved = read_metadata(save).state_dict_metadata
+def check_tensors(folder, model):
+    """The save `folder` must hold this model's weights, each a tensor of its shape (read_metadata admits
+    tensors only)."""
+    saved = read_metadata(folder).state_dict_metadata
     for name, tensor in model.state_dict().items():
         entry = saved.get(f"model.{name}")
         if tuple(getattr(entry, "size", ())) != tuple(tensor.shape):
-            fail(f"{save.path} is for another model: model.{name} is "
+            fail(f"{folder} is for another model: model.{name} is "
                  f"{tuple(entry.size) if entry else 'missing'} there, {tuple(tensor.shape)} here",
                  "point --checkpoint at a folder this configuration wrote", every_node=True)
 
@@ -1235,8 +1226,8 @@ def read_pointer(root):
     if not os.path.lexists(pointer):
         return None
     try:
-        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT),
-                           parse_constant=lambda name: {}[name])  # NaN and Infinity are not numbers here
+        with open(open_plain(pointer), "rb") as f:  # never a link out of the folder, nor a FIFO that hangs
+            state = json.loads(f.read(POINTER_LIMIT), parse_constant=lambda name: {}[name])  # NaN is no number here
     except (OSError, ValueError, KeyError, RecursionError, MemoryError) as e:
         fail(f"cannot read {pointer} ({type(e).__name__}: {str(e)[:80]})", "delete the folder to start afresh",
              every_node=True)
@@ -1254,7 +1245,6 @@ def read_pointer(root):
     if bad:
         fail(f"{pointer} is not a checkpoint pointer of this script ({', '.join(bad)} missing or out of range)",
              "delete the folder to start afresh", every_node=True)
-    SaveFolder(root, state["folder"]).close()  # a folder in `root`, no link or mount: one line if not
     return state
 
 
@@ -1266,15 +1256,8 @@ def lock_checkpoint_folder(root):
         return
     os.makedirs(root, exist_ok=True)
     try:  # as a save's files are opened: a link, a hard link or a FIFO planted as .lock is refused, not written
-        top = open_folder(root)
-        try:
-            fd, why = open_checked(LOCK, stat.S_ISREG, top,
-                                   os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
-        finally:
-            os.close(top)
-        if why:
-            raise OSError(f"{LOCK} is refused: {why}")
-    except OSError as e:
+        fd = open_plain(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT)
+    except (OSError, ValueError) as e:
         fail(f"cannot lock checkpoint folder {root} ({e})", "remove what is there, or pass another --checkpoint")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1298,10 +1281,10 @@ def save_folder(root, step, committed):
     path = os.path.join(root, name)
     if int(os.environ.get("RANK", "0")) == 0:
         if os.path.lexists(path) and not remove_save(root, name):
-            fail(f"{path} is a link or a file, or a folder this run does not delete (a mount, or a folder in it), "
-                 "where this save would write its folder", "remove it and resume")
+            fail(f"{path} is a link or a file, or a folder this run cannot delete, where this save would write its "
+                 "folder", "remove it and resume")
         try:
-            os.mkdir(path)  # here, so that every rank opens it before writing (save_tensors)
+            os.mkdir(path)  # here, before every rank writes into it (save_tensors)
         except OSError as e:
             fail(f"cannot make {path} ({e.strerror}); {POINTER} still names the previous save",
                  "free space on the disk or make the folder writable, then resume")
@@ -1312,8 +1295,9 @@ def commit_checkpoint(root, folder, state):
     """Rank 0, once every rank's shards and the .metadata are on disk: flush the folder, point latest.json
     at it, atomically and flushed (the save counts from here), then delete the saves before it. A pointer
     that cannot be written (a full disk, a read-only folder) is one error line: the previous one is kept."""
-    with SaveFolder(root, folder) as save:  # still our folder, not a link or a FIFO put in its place
-        os.fsync(save.fd)  # the folder's entries (DCP flushed the files themselves)
+    fd = os.open(os.path.join(root, folder), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    os.fsync(fd)  # the folder's entries (DCP flushed the files themselves)
+    os.close(fd)
     pointer = {**state, "folder": folder, "job": os.environ.get("TORCHELASTIC_RUN_ID")}
     try:  # atomic_write, not write_json: its failure is this save's, whose folder goes too
         atomic_write(os.path.join(root, POINTER), lambda f: f.write(json.dumps(pointer, indent=2).encode()))
@@ -1323,14 +1307,15 @@ def commit_checkpoint(root, folder, state):
              "previous one", "free space on the disk or make the folder writable, then resume")
     for name in os.listdir(root):
         if SAVE.fullmatch(name) and name != folder:
-            remove_save(root, name)  # only our own folders: never a link's target or another mount
+            remove_save(root, name)  # only our own folders: never a link's target
 
 
 def describe_checkpoint_folder(root):
     """What a stopped run leaves in the checkpoint folder `root`, said as describe_checkpoint says it of a
     file: the save its pointer names. Read leniently: Ctrl-C's line is no place for an error of its own."""
     try:
-        state = json.loads(read_file_in(root, POINTER, POINTER_LIMIT))  # never a FIFO that would hang the line
+        with open(open_plain(os.path.join(root, POINTER)), "rb") as f:  # never a FIFO that would hang the line
+            state = json.loads(f.read(POINTER_LIMIT))
         path, where = os.path.join(root, str(state["folder"])), where_checkpoint_is(state)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "no checkpoint kept"
@@ -1385,8 +1370,7 @@ def check_checkpoint(args, state, corpus):
              "delete the folder to start afresh", every_node=True)
     with torch.device("meta"):  # the shapes only: no memory for weights
         shapes = Transformer(**config)  # PORT: your model
-    with SaveFolder(args.checkpoint, state["folder"]) as save:
-        check_tensors(save, shapes)
+    check_tensors(os.path.join(args.checkpoint, state["folder"]), shapes)
 
 
 def describe(run, checkpoint):
@@ -1549,20 +1533,17 @@ def window_offset(seed, epoch, block):
 # What makes the lesson above robust: the recipes of recipes/harness.py that this file uses, every definition byte for byte as there (a test compares them). A recipe can be
 # lifted alone with the recipes its banner names; docs/recipes.md has the ones users lift most.
 # =============================================================================
-import enum
-import errno
 import inspect
 import io
 import multiprocessing
 import pathlib
 import pickle
-import pickletools
+import shutil
 import signal
 import socket
-import struct
+import stat
 import threading
 import traceback
-import zipfile
 import torch.distributed.checkpoint.filesystem as _filesystem
 import torch.distributed.checkpoint.metadata as _metadata
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
@@ -2077,143 +2058,17 @@ def save_checkpoint(state, path):
 
 
 # ---- recipe: safe load (needs errors): a checkpoint read as data, never as code
-def check_archive(data):
-    """The data.pkl of torch.save's zip `data`, for a reader of `data` itself: repacked's checks, else ValueError."""
-    return repacked(io.BytesIO(data), tensors=False)[1]
-
-
-def repacked(f, tensors=True):
-    """(the zip in file `f` written anew from what zipfile read of it, its data.pkl) once it is torch.save's and
-    torch's reader of `f` would read the same: one central directory (central_directory), named as zipfile
-    found it; entries stored (none inflates), not encrypted, adding up to no more than the file, named once
-    (torch looks names up whatever their case) under one folder with a data.pkl, whose pickle is bounded
-    (check_pickle); else ValueError. tensors=False: the tensors' records (`data/N`) left empty, unread."""
-    count, directory_at = central_directory(f)
-    archive = zipfile.ZipFile(f)
-    entries, names = archive.infolist(), archive.namelist()
-    folder = names[0].split("/")[0] + "/" if names else "/"  # torch reads the records under the first entry's folder
-    if any(e.flag_bits & 1 or e.compress_type or e.compress_size != e.file_size for e in entries):
-        raise ValueError("its zip entries are compressed or encrypted; torch.save stores each")
-    if archive.start_dir != directory_at or len(entries) != count or sum(e.file_size for e in entries) > directory_at:
-        raise ValueError("its zip central directory is not the one its end record names, or its entries overlap")
-    if f"{folder}data.pkl" not in names or len({n.lower() for n in names}) < len(names) or \
-            not all(n.startswith(folder) for n in names):
-        raise ValueError("its zip is not torch.save's (no data.pkl, entries outside its folder or named twice)")
-    pickled = archive.read(f"{folder}data.pkl")  # read once: the bytes checked are the bytes written
-    check_pickle(pickled)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as fresh:
-        for name in names:
-            unread = not tensors and "/data/" in name.lower()
-            fresh.writestr(name, pickled if name == f"{folder}data.pkl" else b"" if unread else archive.read(name))
-    return out.getvalue(), pickled
-
-
-def central_directory(f):
-    """(entries, offset) of the central directory of the zip in file `f` as torch's reader takes them (the end
-    record's, or its zip64 twin's where saturated), once zipfile must take the same (it finds the end record by
-    its place): the end record last (no comment), its zip64 twin agreeing, the directory right before them."""
-    size = f.seek(0, 2)
-    f.seek(max(size - 98, 0))
-    tail = f.read()
-    end, locator = tail[-22:], tail[-42:-22] if size >= 98 else b""
-    if len(end) != 22 or end[:4] != b"PK\x05\x06":
-        raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
-    disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
-    edge = size - 22
-    if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
-        record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
-        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", tail[:56])
-        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
-        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
-                short not in (full, value) for short, full, value in
-                zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
-            raise ValueError("its zip64 end record disagrees with its end record")
-        (here, count, cd_size, cd_at), edge = wide, size - 98
-    if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
-        raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
-    return count, cd_at
-
-
-def check_pickle(data, object_keys=False):
-    """ValueError unless unpickling `data` (by any unpickler) is work about linear in its size. A dry run of
-    its stack, where each object weighs the nodes it stands for with memo references expanded (a BINGET
-    pushes the weight of what it names: a tuple of two references to the one below, 64 deep, is 2^64 nodes
-    in 335 bytes), against a few nodes a byte; nesting bounded; no object changed once referenced (its weight
-    would be stale); dict keys and set items small and of a kind whose hash no one can collide at scale: str
-    (hashed with a per-process secret), an int of 31 bits (150,000 ints k x (2^61 - 1) share one hash), and
-    with object_keys an object."""
-    limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
-    for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
-        floor = marks[-1] if marks else 0
-        if op.name == "MARK":
-            marks.append(len(stack))
-        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
-            if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
-            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
-            stack[-1][3] = True  # referenced: its weight is final
-        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
-            text = arg if isinstance(arg, str) else None
-            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
-                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
-            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(memo) if op.name == "MEMOIZE" else arg
-            if len(stack) <= floor or index > len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
-            memo[index:index + 1] = [stack[-1]]
-        elif op.name == "FRAME" and arg > len(data) - at:
-            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
-        elif op.name == "POP" and len(stack) == floor and marks:
-            marks.pop()
-        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
-            if made[0] > limit or made[1] > 100:
-                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
-                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
-            stack.append(made)
-
-
-def taken_off(op, at, stack, marks):
-    """The objects `op` takes off the stack, bottom first: down to its mark, with what it needs below that."""
-    names = [s.name for s in op.stack_before]
-    below = names.index("mark") if "mark" in names else len(names)
-    if "mark" in names and not marks:
-        raise ValueError(f"its pickle's {op.name} at byte {at} has no mark")
-    start = (marks.pop() if "mark" in names else len(stack)) - below
-    if start < (marks[-1] if marks else 0):
-        raise ValueError(f"its pickle's {op.name} at byte {at} finds too few objects")
-    taken = stack[start:]
-    del stack[start:]
-    return taken
-
-
-def folded(op, at, taken, object_keys):
-    """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
-    took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
-    fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
-    parts = taken[1:] if fills else taken
-    pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
-    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
-    if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
-                                       for k in keys):
-        raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
-    if fills and taken[0][3]:
-        raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
-    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
-            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
-            "builtins set", "builtins frozenset"):
-        raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
-    weight, depth = 0, 0
-    for cell in parts:
-        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
-    if fills:
-        taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
-        return taken[0]
-    if not op.stack_after:
-        return None
-    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
-    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
+def open_plain(path, flags=os.O_RDONLY):
+    """A descriptor of `path`, opened without following a link (OSError ELOOP, "Too many levels of symbolic
+    links") or waiting on a FIFO, once it is a regular file of one link (fstat; a hard link is a file of some
+    other folder too), else ValueError."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # 0: removed since it was opened
+        os.close(fd)
+        raise ValueError(f"{path} is refused: it is not a plain file of one link (a FIFO, a device, a folder "
+                         f"or a file of {info.st_nlink} links)")
+    return fd
 
 
 # ---- recipe: resume (needs safe load, errors, printing): continue a checkpoint only when it is ours
@@ -2231,402 +2086,117 @@ def say_if_nothing_left(path, unit, reached, flag, target):
     return reached >= target
 
 
-# ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, by descriptor
-def open_folder(path):
-    """A descriptor of the folder `path` (the user's to name, through a link or not): what is in it is
-    opened by name in it (open_checked), never by a path walked again."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def mount_of(fd):
-    """(device, mount) of an open file or folder: a bind mount of another run's folder on the same file
-    system has that file system's device but a mount of its own (Linux's /proc/self/fdinfo; elsewhere the
-    device alone tells a mount)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
-            mount = next((line.split()[1] for line in f if line.startswith("mnt_id:")), None)
-    except OSError:
-        mount = None
-    return os.fstat(fd).st_dev, mount
-
-
-def open_checked(name, kind, folder_fd, flags=os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY):
-    """(descriptor, "") of `name` in the open folder `folder_fd`, or (None, why it is refused). Opened once,
-    without following a link or waiting on a FIFO, and checked on the descriptor, so what is read from it
-    is what was checked whatever takes the name later: a plain file or folder (`kind`: stat.S_ISREG or
-    stat.S_ISDIR) on the folder's own mount (never into a bind mount), a file of one link (a hard link is
-    also a file of some other folder). A name with a separator or a NUL is refused unopened."""
-    if type(name) is not str or os.sep in name or "\0" in name or name in ("", ".", ".."):
-        return None, "it lies outside the checkpoint folder"
-    try:
-        fd = os.open(name, flags | (os.O_DIRECTORY if kind is stat.S_ISDIR else 0), 0o644, dir_fd=folder_fd)
-    except OSError as e:
-        return None, {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is a symbolic link or not a folder"
-                      }.get(e.errno, f"it cannot be opened ({e.strerror})")
-    found = os.fstat(fd)
-    why = "" if kind(found.st_mode) else "it is not a plain " + ("file" if kind is stat.S_ISREG else "folder")
-    if not why and mount_of(fd) != mount_of(folder_fd):
-        why = "it is another file system mounted there"
-    if not why and kind is stat.S_ISREG and found.st_nlink != 1:
-        why = f"it has {found.st_nlink} links (a hard link is a file of another folder too)"
-    if why:
-        os.close(fd)
-        return None, why
-    return fd, ""
-
-
-def opened_file(name, folder_fd):
-    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
-    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
-    if why:
-        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
-    return fd
-
-
-def read_bounded(name, folder_fd, limit):
-    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
-    on the descriptor first, then as many bytes from it."""
-    fd = opened_file(name, folder_fd)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
-        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
-    finally:
-        os.close(fd)
-    if len(data) != size:
-        raise ValueError("it shrank while it was read")
-    return data
-
-
-def read_file_in(root, name, limit):
-    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
-    top = open_folder(root)
-    try:
-        return read_bounded(name, top, limit)
-    finally:
-        os.close(top)
-
-
-class SaveFolder:
-    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
-    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
-    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
-    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
-
-    def __init__(self, root, name):
-        self.path = os.path.join(root, name)
-        try:
-            top = open_folder(root)
-        except OSError as e:
-            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
-                 every_node=True)
-        try:
-            self.fd, why = open_checked(name, stat.S_ISDIR, top)
-        finally:
-            os.close(top)
-        if why:
-            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
-                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
-
-    def size(self, name):
-        fd = opened_file(name, self.fd)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-
-    def close(self):
-        os.close(self.fd)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def remove_save(root, name):
-    """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
-    is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
-    whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
-    try:
-        top = open_folder(root)
-        try:
-            fd, _ = open_checked(name, stat.S_ISDIR, top)
-            if fd is None:
-                return False
-            try:
-                for entry in os.listdir(fd):
-                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
-                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
-            return True
-        finally:
-            os.close(top)
-    except OSError:
-        return False
-
-
-def layout_named(name):
-    """torch.serialization._get_layout, for the two layouts a saved tensor has: any other name is refused."""
-    if name not in ("torch.strided", "torch.sparse_coo"):
-        raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not a tensor layout")
-    return getattr(torch, name.split(".")[1])
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle: admit only the (module, name) pairs of ADMITTED, exactly, so a payload
-    (a __reduce__ naming any other callable, or a dotted name that walks from an admitted module to
-    `os.system`) is refused before it runs. Nothing dotted, no module admitted whole (a name like
-    `os.system` resolves through a module's imports); paths become pure paths (no I/O), and the layout
-    lookup is ours (layout_named)."""
-    ADMITTED = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
-                ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"):
-                pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-                ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
-                (_filesystem.__name__, "_StorageInfo"): _filesystem._StorageInfo}
+# ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, in its folder
+class MetadataUnpickler(pickle._Unpickler):
+    """DCP's `.metadata` is a pickle, which DCP reads with pickle.load (code runs). This one admits only the
+    (module, name) pairs of ADMITTED, exactly, so a payload (a __reduce__ naming any other callable, or a dotted
+    name that walks from an admitted module to `os.system`) is refused before it runs; paths become pure paths.
+    Python's own unpickler (the C one's opcodes cannot be overridden), so that BUILD sets attributes only on
+    DCP's records made by this pickle, never on a class, a function or an enum member (process-wide)."""
+    RECORDS = (_metadata.Metadata, _metadata.TensorStorageMetadata, _metadata.TensorProperties, _metadata.StorageMeta,
+               _metadata.ChunkStorageMetadata, _metadata.MetadataIndex, _filesystem._StorageInfo)
+    ADMITTED = {(kind.__module__, kind.__name__): kind for kind in RECORDS}
+    ADMITTED.update({("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+                     (_metadata.__name__, "_MEM_FORMAT_ENCODING"): _metadata._MEM_FORMAT_ENCODING})
+    ADMITTED.update({(module, name): getattr(pathlib, f"Pure{name}") for module in ("pathlib", "pathlib._local")
+                     for name in ("PosixPath", "WindowsPath")})
     ADMITTED.update({("torch", str(t).split(".")[1]): t for t in vars(torch).values() if isinstance(t, torch.dtype)})
-    ADMITTED.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(_metadata, n)})  # each in torch 2.7 and 2.14
-    # the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
-    OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
-               "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-               "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "NONE", "NEWTRUE",
-               "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
-               "BINUNICODE", "SHORT_BINBYTES", "BINBYTES"}
-    LIMIT = 256 << 20  # bytes of a `.metadata`: DCP writes about 300 a tensor, so a million tensors fit
 
     def find_class(self, module, name):
         if (module, name) in self.ADMITTED:
             return self.ADMITTED[(module, name)]
         raise pickle.UnpicklingError(f"{str(module)[:60]}.{str(name)[:60]} is not part of a checkpoint's metadata")
 
-
-def scan_pickle(data):
-    """Refuse, before unpickling, what the unpickler would act on before find_class sees anything: an
-    opcode DCP never writes, a memo index (the unpickler grows its memo to it: 2^32 entries from 12
-    bytes) beyond the entries made so far, or a frame longer than the file; and (the harness's
-    check_pickle) work beyond linear in its size: 267 bytes of memo references to a tuple nested 64 deep
-    as a dict key hung the resume. MetadataIndex objects are its keys."""
-    check_pickle(data, object_keys=True)
-    memo = 0
-    for op, arg, _ in pickletools.genops(data):  # a length past the end of the file raises ValueError here
-        if op.name not in MetadataUnpickler.OPCODES:
-            raise pickle.UnpicklingError(f"opcode {op.name} is not used in a checkpoint's metadata")
-        if op.name in ("BINPUT", "LONG_BINPUT") and arg > memo or op.name in ("BINGET", "LONG_BINGET") and \
-                arg >= memo or op.name == "FRAME" and arg > len(data):
-            raise pickle.UnpicklingError(f"{op.name} {arg} claims more than the file holds")
-        memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
+    def load_build(self):
+        target = self.stack[-2]  # BUILD's object, under its state
+        if type(target) not in self.RECORDS:
+            raise pickle.UnpicklingError(f"it sets attributes of {getattr(target, '__name__', type(target).__name__)}")
+        super().load_build()
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
 
 
-def settable(obj, names):
-    """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
-    name: `names`, from described_names)."""
-    described = {}
-    for name in names:
-        with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
-            described[name] = getattr(obj, name)
-    return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
-
-
-def described_names(kind):
-    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
-    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
-    __class__ (an enum member's can be made another class, process-wide). A property without a setter
-    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
-    and its __flags__ (read-only) change with its caches."""
-    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
-            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
-
-
-def changed(before, now):
-    """The names whose value is not the one held before (an int or a str by value: some are made at each look)."""
-    return {k for k in before.keys() | now.keys() if k not in before or k not in now or before[k] is not now[k]
-            and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
-
-
-def put_back(obj, names, before):
-    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
-    attributes, described = before
-    now = settable(obj, names)
-    moved = changed(described, now[1])
-    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
-        setattr(obj, name, described[name])
-    if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
-        vars(obj).clear()
-        vars(obj).update(attributes)
-    else:  # a class's, changed through setattr alone
-        for k in changed(attributes, now[0]):
-            setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
-    return bool(moved or changed(attributes, now[0]))
-
-
-def unpickle_metadata(data):
-    """MetadataUnpickler on `data`, scanned first; what a setattr can change on the admitted objects and
-    enum members (settable) is checked afterwards, since a pickle's BUILD can set attributes on any object
-    it holds: a change is put back, then refused."""
-    scan_pickle(data)
-    held = list(MetadataUnpickler.ADMITTED.values())
-    held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
-    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
-    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
-    before = [settable(v, n) for v, n in zip(held, names)]
-    try:
-        return MetadataUnpickler(io.BytesIO(data)).load()
-    finally:
-        for obj, n, state in zip(held, names, before):
-            if put_back(obj, n, state):
-                raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
-
-
-def metadata_of(save):
-    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
-    raises what refuses it."""
-    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, MetadataUnpickler.LIMIT))
-    check_metadata(metadata, save)
+def metadata_of(folder):
+    """The `.metadata` of the save `folder` (a folder, not a link), read from a plain file (open_plain) by
+    MetadataUnpickler and checked by check_metadata; raises what refuses it."""
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        raise ValueError(f"{folder} is not a save's folder (a link, a file, or missing)")
+    with open(open_plain(os.path.join(folder, ".metadata")), "rb") as f:
+        metadata = MetadataUnpickler(io.BytesIO(f.read())).load()  # a length past the end: no more than the file
+    check_metadata(metadata)
     return metadata
 
 
-def check_metadata(metadata, folder):
-    """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
-    with a code-running torch.load), chunks that tile their tensor (check_tiled), and every byte range
-    inside a plain file of this save (`folder`, a SaveFolder; relative_path: a name, never absolute or `..`)."""
-    md = _metadata
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
-            type(getattr(metadata, "storage_meta", None)) not in (md.StorageMeta, type(None)) or \
-            type(getattr(metadata, "planner_data", None)) not in (dict, type(None)):
+def check_metadata(metadata):
+    """What the resume reads of it, of the types DCP gives them: tensors only (a non-tensor entry would be
+    read with a code-running torch.load), their chunks tiling them (check_tiled), and byte ranges that no
+    transform (a decompressor) inflates."""
+    md, entries = _metadata, getattr(metadata, "state_dict_metadata", None)
+    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries:
         raise ValueError("not a checkpoint's metadata")
     for key, entry in entries.items():
-        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or \
-                type(getattr(entry, "properties", None)) is not md.TensorProperties or \
-                not isinstance(getattr(entry.properties, "dtype", None), torch.dtype) or \
-                type(getattr(entry, "size", None)) is not torch.Size or type(getattr(entry, "chunks", None)) is not list:
+        chunks, size = getattr(entry, "chunks", None), getattr(entry, "size", None)
+        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or type(size) is not torch.Size or \
+                type(chunks) is not list or not all(type(c) is md.ChunkStorageMetadata and type(c.offsets) is
+                                                    type(c.sizes) is torch.Size and len(c.offsets) == len(c.sizes)
+                                                    == len(size) for c in chunks):
             raise ValueError(f"entry {str(key)[:60]!r} is not a tensor's")
-        for chunk in entry.chunks:
-            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if type(chunk) is not md.ChunkStorageMetadata or type(offsets) is not torch.Size or \
-                    type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
-                    not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
-                raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
         check_tiled(key, entry)
-    files = {}
     storage = getattr(metadata, "storage_data", None)
-    for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
-        name, start, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        if type(index) is not md.MetadataIndex or index.fqn not in entries or type(info) is not _filesystem._StorageInfo \
-                or type(name) is not str or type(start) is not int or type(length) is not int or \
-                getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
-            raise ValueError("its storage records are not a tensor file's byte ranges")
-        if name not in files:
-            files[name] = folder.size(name)
-        if start + length > files[name]:
-            raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
+    if type(storage) is not dict or any(type(info) is not _filesystem._StorageInfo or
+                                        getattr(info, "transform_descriptors", None) for info in storage.values()):
+        raise ValueError("its storage records are not a tensor file's byte ranges")
 
 
 def check_tiled(key, entry):
-    """The chunks of a saved tensor tile it, so that a resume sets every element: each chunk spans whole
-    rows (FSDP shards the first dimension, and every save this script writes is FSDP's), and the rows of the
-    chunks follow one another from the first to the last without a gap or an overlap. A gap resumed with
-    those rows left at their fresh initialization; sorting keeps the check at n log n for n chunks."""
-    if not entry.size:  # a 0-d tensor (AdamW's step): one chunk, the whole of it
-        if len(entry.chunks) != 1:
-            raise ValueError(f"{key[:60]!r} has {len(entry.chunks)} chunks; a 0-d tensor has one")
-        return
-    rows = []
-    for chunk in entry.chunks:
-        if 0 not in chunk.sizes and (tuple(chunk.offsets[1:]) != (0,) * (len(entry.size) - 1)
-                                     or chunk.sizes[1:] != entry.size[1:]):
-            raise ValueError(f"a chunk of {key[:60]!r} is not whole rows, as FSDP saves them")
-        rows += [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])] * (0 not in chunk.sizes)  # empty: no rows
-    rows.sort()
-    ends = [0] + [end for _, end in rows]
-    if [start for start, _ in rows] != ends[:-1] or ends[-1] != entry.size[0] and 0 not in entry.size:
+    """The chunks of a saved tensor tile it, so that a resume sets every element (a gap resumed with those
+    rows at their fresh initialization): each chunk whole rows (FSDP shards the first dimension), their rows
+    following one another from the first to the last without a gap or an overlap; a 0-d tensor one chunk."""
+    if not entry.size:
+        tiled = len(entry.chunks) == 1
+    else:
+        full = [c for c in entry.chunks if 0 not in c.sizes]  # an empty chunk holds no rows
+        rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in full)
+        ends = [0] + [end for _, end in rows]
+        tiled = 0 in entry.size or all(c.offsets[1:] == (0,) * (len(entry.size) - 1) and c.sizes[1:] == entry.size[1:]
+                                       for c in full) and [s for s, _ in rows] == ends[:-1] and ends[-1] == entry.size[0]
+    if not tiled:
         raise ValueError(f"the chunks of {key[:60]!r} leave rows of it unsaved or save them twice")
 
 
-def check_tensor_record(data):
-    """One tensor as DCP stores it (a torch.save archive), checked before torch.load reads it: every zip
-    entry stored, adding up to no more than the record (torch.load would inflate a deflated entry), and
-    its pickle naming only what rebuilds a plain tensor. torch's weights_only allowlist admits more
-    (DTensor and DeviceMesh among it): what a tensor record may name is decided here, not there. The
-    harness's check_archive: the zip torch.load reads is the one checked (its end record agrees with
-    the entries: no second archive behind it), and its pickle is bounded."""
-    for op, arg, _ in pickletools.genops(check_archive(data)):
-        if op.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4") or op.name == "GLOBAL" and \
-                arg not in ("torch._utils _rebuild_tensor_v2", "collections OrderedDict") and \
-                not re.fullmatch(r"torch [A-Za-z0-9]+Storage", arg):
-            raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
-
-
 class SaveFiles(FileSystem):
-    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
-    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
-    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
-    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
-    and removed in the folder alone."""
+    """DCP's file system for one save folder: every file DCP opens lies directly in it (a `relative_path`
+    that is absolute or holds `..` is refused); one read is a plain file (open_plain: no link, FIFO or hard
+    link), one written is new (O_EXCL, O_NOFOLLOW: a name planted in the folder, a link or a hard link to a
+    file elsewhere, fails the save instead of being written through)."""
 
-    def __init__(self, save):
+    def __init__(self, folder):
         super().__init__()
-        self.save = save
-
-    def name_of(self, path):
-        path = pathlib.Path(path)
-        if path.parent != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
-        return path.name
+        self.folder = pathlib.Path(folder)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        name = self.name_of(path)
-        if mode not in ("rb", "wb"):
-            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
-        fd = opened_file(name, self.save.fd) if mode == "rb" else \
-            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
+        if pathlib.Path(path).parent != self.folder or mode not in ("rb", "wb"):
+            raise ValueError(f"{str(path)[:80]!r} ({mode}) is refused: it lies outside the save {self.folder}")
+        fd = open_plain(path) if mode == "rb" else \
+            os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, mode) as stream:
             yield stream
 
-    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
-        if pathlib.Path(path) != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
-
-    def exists(self, path):
-        try:
-            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
-        except FileNotFoundError:
-            return False
-
-    def rm_file(self, path):
-        os.unlink(self.name_of(path), dir_fd=self.save.fd)
-
-    def rename(self, path, new_path):
-        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
-
 
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader over one save (a SaveFolder): read_metadata's unpickler and checks, every file
-    read from the descriptor that was checked (SaveFiles), and no entry read that is not a tensor (DCP
-    reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+    """DCP's FileSystemReader of one save folder, its files opened by SaveFiles, its `.metadata` read by
+    metadata_of, and no entry read that is not a tensor (DCP reads those with a full, code-running
+    torch.load). Tensors it reads with weights_only=True."""
 
-    def __init__(self, save):
-        super().__init__(save.path)
-        self.fs, self.save = SaveFiles(save), save
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.fs = SaveFiles(folder)
 
     def read_metadata(self, *args, **kwargs):
-        metadata = metadata_of(self.save)  # refused before, refused again: a swap since
+        metadata = metadata_of(self.path)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-    def _slice_file(self, file, sinfo):
-        """Each tensor's bytes, checked by check_tensor_record before DCP's torch.load reads them."""
-        data = super()._slice_file(file, sinfo).read()
-        check_tensor_record(data)
-        return io.BytesIO(data)
 
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
@@ -2637,11 +2207,21 @@ class SafeReader(FileSystemReader):
 
 
 class SafeWriter(FileSystemWriter):
-    """DCP's FileSystemWriter over one save (a SaveFolder), each file created in the folder's descriptor (SaveFiles)."""
+    """DCP's FileSystemWriter of one save folder, each file created new in it (SaveFiles)."""
 
-    def __init__(self, save):
-        super().__init__(save.path)
-        self.fs = SaveFiles(save)
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.fs = SaveFiles(folder)
+
+
+def remove_save(root, name):
+    """Delete the save root/name; whether it is gone. shutil.rmtree refuses a link in its place and removes
+    the links in it, never what they name."""
+    try:
+        shutil.rmtree(os.path.join(root, name))
+        return True
+    except OSError:
+        return False
 
 
 def failure_of(error):

@@ -9,6 +9,11 @@ read_checkpoint, read_metadata and Run.restore; the harness's load_checkpoint,
 atomic_write and continue_checkpoint. The fuzz test mutates the three files a resume reads, seeded;
 (slow) a sample of the mutations and the save-side attacks through real launches, and a save killed
 at several points.
+
+Issue 52 retired what bounded torch's own reader (docs/faults.md, "What torch's reader does not
+bound"): pickle bombs that are slow (memo-nested keys, colliding int keys) in a `.pt` or a
+`.metadata`, deflated and two-reader zip files, a `.distcp` record of a class torch's weights_only
+allowlist admits, a file swapped between its check and its read, a save folder on another mount.
 """
 import contextlib
 import errno
@@ -17,7 +22,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import signal
 import struct
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+import warnings
 import zipfile
 
 import pytest
@@ -37,7 +42,6 @@ import ddp_gpus  # noqa: E402
 import ddp_gpus_torchrun  # noqa: E402
 import ddp_main  # noqa: E402
 import ddp_transformer  # noqa: E402
-import ddp_uneven  # noqa: E402
 import fsdp_transformer as fsdp  # noqa: E402
 
 import torch.distributed.checkpoint as dcp  # noqa: E402  (after the scripts: the floor's import order)
@@ -186,9 +190,9 @@ def test_a_payload_in_front_of_a_real_metadata_never_runs(ck, capsys):
     assert not marker.exists()
 
 
-def test_attributes_set_by_build_are_refused_and_put_back(ck, capsys):
+def test_attributes_set_by_build_are_refused_before_they_are_set(ck, capsys):
     """BUILD sets attributes on any object the pickle holds: an enum member (process-wide), or an
-    admitted class through the slot-state form (setattr). Refused, and the attributes are restored."""
+    admitted class through the slot-state form (setattr). Refused before it sets them: nothing changed."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
     getstate = _StorageInfo.__getstate__
@@ -220,16 +224,12 @@ def test_memo_and_length_opcodes_allocate_nothing(ck, capsys):
     assert peak < 16 << 20, peak
 
 
-def test_deep_nesting_and_a_large_file_are_one_line(ck, capsys, monkeypatch):
+def test_deep_nesting_is_one_line(ck, capsys):
     path = metadata_path(ck)
-    original = path.read_bytes()
     path.write_bytes(b"\x80\x04" + b"]" * 100_000 + b"a" * 99_999 + b".")  # lists 10^5 deep
     refused(lambda: resume(ck), capsys, "refused unread")
     path.write_bytes(b"\x80\x04" + b"(" * 100_000 + b".")
     refused(lambda: resume(ck), capsys, "refused unread")
-    monkeypatch.setattr(fsdp.MetadataUnpickler, "LIMIT", 1000)  # the bound, checked before a byte is unpickled
-    path.write_bytes(original)
-    refused(lambda: resume(ck), capsys, "refused unread", "at most")
 
 
 def set_first_size(metadata, value):
@@ -264,14 +264,15 @@ def test_malformed_metadata_is_one_line(ck, capsys, case):
         path.write_bytes(pickle.dumps({"state_dict_metadata": {}}))
     else:
         rewritten(ck, MALFORMED[case])
-    refused(lambda: resume(ck), capsys, "refused unread")
+    # a byte range past the end of its file: not checked ahead, DCP's read of it fails (still one line)
+    refused(lambda: resume(ck), capsys, "cannot read checkpoint" if "past the end" in case else "refused unread")
 
 
 # ---------------------------------------------------------------- paths: every read stays in the folder
 @pytest.mark.parametrize("where", ["absolute", "dotdot", "link out", "fifo", "folder", "nul", "device"])
 def test_relative_path_stays_in_the_save(ck, capsys, where):
     """A `.distcp` named outside the folder (absolute, `../..`, a link), or a FIFO (which hung the read):
-    refused before DCP opens it."""
+    refused when DCP opens it (SaveFiles), the file outside unread."""
     outside = ck.parent / "outside.distcp"
     shutil.copy(ck / "step-00000004" / "__0_0.distcp", outside)
     name = {"absolute": str(outside), "dotdot": "../../outside.distcp", "link out": "__9_0.distcp",
@@ -290,13 +291,13 @@ def test_relative_path_stays_in_the_save(ck, capsys, where):
         for info in metadata.storage_data.values():
             info.relative_path = name
     rewritten(ck, point_at)
-    before = outside.stat().st_atime_ns, outside.read_bytes()
+    before = outside.read_bytes()
     start = time.monotonic()
-    refused(lambda: resume(ck), capsys, "refused")
-    assert time.monotonic() - start < 30 and outside.read_bytes() == before[1]
+    refused(lambda: resume(ck), capsys, "symbolic links" if where in ("link out", "device") else "refused")
+    assert time.monotonic() - start < 30 and outside.read_bytes() == before
 
 
-def record_rewritten(ck, change, compress=zipfile.ZIP_STORED):
+def record_rewritten(ck, change):
     """The first tensor's record (a torch.save archive inside __0_0.distcp) rebuilt with its data.pkl
     changed by `change(bytes)`, written as a file of its own that the metadata then names."""
     metadata = pickle.loads(metadata_path(ck).read_bytes())
@@ -304,7 +305,7 @@ def record_rewritten(ck, change, compress=zipfile.ZIP_STORED):
     info = metadata.storage_data[index]
     blob = (ck / "step-00000004" / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
     out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w", compress) as dst:
+    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w") as dst:
         for item in src.infolist():
             data = src.read(item.filename)
             dst.writestr(item.filename, change(data) if item.filename.endswith("/data.pkl") else data)
@@ -313,20 +314,17 @@ def record_rewritten(ck, change, compress=zipfile.ZIP_STORED):
     metadata_path(ck).write_bytes(pickle.dumps(metadata))
 
 
-def test_a_tensor_record_names_nothing_but_a_tensor_and_is_not_compressed(ck, capsys):
-    """A `.distcp` record naming DeviceMesh (torch's weights_only allowlist would call its constructor)
-    or posix.system, and a record of deflated entries: refused by this script's own check."""
+def test_a_tensor_record_naming_a_callable_is_one_line_and_runs_nothing(ck, capsys):
+    """A `.distcp` record naming posix.system: DCP reads records with torch.load(weights_only=True), which
+    refuses it unrun. One naming DeviceMesh, which torch's allowlist admits (once torch.distributed.tensor
+    is imported) and calls: whatever it does is torch's reader's; here it is one line."""
     marker = ck.parent / "payload-ran"
-    pristine = {p: p.read_bytes() for p in (metadata_path(ck),)}
-    for name, words in (("torch.distributed.device_mesh\nDeviceMesh", "DeviceMesh"),
-                        (f"posix\nsystem", "posix system")):
+    pristine = metadata_path(ck).read_bytes()
+    for name in ("posix\nsystem", "torch.distributed.device_mesh\nDeviceMesh"):
         record_rewritten(ck, lambda pkl: pkl.replace(b"collections\nOrderedDict", name.encode()))
-        refused(lambda: resume(ck), capsys, words, "not a tensor's")
-        metadata_path(ck).write_bytes(pristine[metadata_path(ck)])
-    record_rewritten(ck, lambda pkl: pkl, compress=zipfile.ZIP_DEFLATED)
-    refused(lambda: resume(ck), capsys, "compressed")
-    metadata_path(ck).write_bytes(pristine[metadata_path(ck)])
-    record_rewritten(ck, lambda pkl: pkl)  # the same record, stored: it resumes
+        refused(lambda: resume(ck), capsys, "cannot read checkpoint")
+        metadata_path(ck).write_bytes(pristine)
+    record_rewritten(ck, lambda pkl: pkl)  # the same record, rewritten: it resumes
     assert resume(ck)["step"] == 4 and not marker.exists()
 
 
@@ -407,23 +405,9 @@ def test_ddp_transformer_checks_its_values_and_its_text(tmp_path, capsys, monkey
 
 
 # ---------------------------------------------------------------- the harness's single-file reader
-def test_a_zip_bomb_and_a_fifo_are_refused_unread(tmp_path, capsys, monkeypatch):
-    """Deflated entries (115 KB that torch.load inflated to 64 MiB) and a FIFO (which hung the read)."""
+def test_a_fifo_is_refused_unread(tmp_path, capsys, monkeypatch):
+    """A FIFO in a checkpoint's place hung the read (and the line said on Ctrl-C)."""
     monkeypatch.delenv("RANK", raising=False)
-    plain = tmp_path / "plain.pt"
-    torch.save({"model": {"w": torch.zeros(16 << 20)}, "epochs_run": 1}, plain)
-    bomb = tmp_path / "bomb.pt"
-    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
-        for item in src.infolist():
-            dst.writestr(item.filename, src.read(item.filename))
-    assert bomb.stat().st_size < 1 << 20
-    tracemalloc.start()
-    try:
-        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(bomb), ("model",)), capsys, "compressed")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 16 << 20, peak
     fifo = tmp_path / "fifo.pt"
     os.mkfifo(fifo)
     refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(fifo), ("model",)), capsys, "not a plain file")
@@ -581,183 +565,50 @@ def pt_with_pickle(path, pickled, like=None):
     path.write_bytes(out.getvalue())
 
 
-def memo_doubling(levels, pair=lambda ref: ref + ref + b"\x86"):
-    """Object i+1 is pair(a memo reference to object i), by default a tuple of two, so object `levels`
-    stands for 2^levels objects; only opcodes torch's weights_only unpickler runs (each level stays on the
-    stack: no POP there), the last one referenced on top."""
-    body = b"Nq\x00"
-    for i in range(levels):
-        body += pair(b"h" + bytes([i])) + b"q" + bytes([i + 1])
-    return body + b"h" + bytes([levels])
-
-
-def colliding_int_keys(count):
-    """`count` int keys k x (2^61 - 1), which all hash to 0, in one dict: 14 bytes a key."""
-    keys = b"".join(b"\x8a\x0b" + (k * (2 ** 61 - 1)).to_bytes(11, "little") + b"N" for k in range(1, count + 1))
-    return b"\x80\x02}(" + keys + b"u."
-
-
-PICKLE_BOMBS = {
-    "a tuple key nested 64 deep, two memo references a level": lambda: b"\x80\x02" + memo_doubling(64)
-    + b"}" + b"h\x40Ns.",
-    "the same as a value": lambda: b"\x80\x02" + memo_doubling(64) + b"}X\x05\x00\x00\x00modelh\x40s.",
-    "lists of two memo references, 64 deep": lambda: b"\x80\x02" + memo_doubling(64, lambda r: b"](" + r + r + b"e")
-    + b".",
-    "dicts of two memo references, 64 deep": lambda: b"\x80\x02" + memo_doubling(
-        64, lambda r: b"}(X\x01\x00\x00\x00a" + r + b"X\x01\x00\x00\x00b" + r + b"u") + b".",
-    "lists nested 10^5 deep": lambda: b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".",
-    "a list appended to itself": lambda: b"\x80\x02]q\x00h\x00a.",
-    "a 1 MB string referenced 1000 times": lambda: b"\x80\x02](X" + struct.pack("<I", 1 << 20) + b"x" * (1 << 20)
-    + b"q\x00" + b"h\x00" * 999 + b"e.",
-    "150,000 int keys that hash alike": lambda: colliding_int_keys(150_000),
-    "a tuple key of two ints": lambda: b"\x80\x02}K\x01K\x02\x86Ns.",
-    "a float key": lambda: b"\x80\x02}G?\xf0\x00\x00\x00\x00\x00\x00Ns.",
-    "a key string of 100,000 characters": lambda: b"\x80\x02}X" + struct.pack("<I", 100_000) + b"k" * 100_000 + b"Ns.",
-    "an OrderedDict filled by its constructor": lambda: b"\x80\x02ccollections\nOrderedDict\n](K\x01N\x86e\x85R.",
-    "a frame longer than the pickle": lambda: b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"}.",
-    "a string declaring 2 GiB": lambda: b"\x80\x02X" + struct.pack("<I", 2 ** 31) + b".",
-    "a memo index of 2^32 - 1": lambda: b"\x80\x02}r" + struct.pack("<I", 2 ** 32 - 1) + b".",
-}
-
-
-@pytest.mark.parametrize("case", sorted(PICKLE_BOMBS))
-def test_a_pickle_bomb_in_a_pt_file_is_refused_in_bounded_time_and_memory(tmp_path, capsys, monkeypatch, case):
-    """data.pkl inside a real torch.save zip: 335 bytes (memo references doubling a tuple key 64 deep) or
-    150,000 colliding int keys (2.1 MB) hung every .pt reader inside torch's weights_only unpickler;
-    variants through lists, dicts, self-reference, long strings and keys of other kinds. One line, within
-    10 s on a loaded 2-core machine (about 1 s alone on the 2 MB ones; before: no end) and 64 MiB."""
+def test_a_value_nested_deep_or_holding_itself_loads(tmp_path, capsys, monkeypatch):
+    """torch's reader bounds no nesting: a list 10^5 deep, or a list that holds itself, where a plain value
+    belongs. The check for a tensor among the values walks them without recursion, each object once (a
+    recursive walk raised RecursionError on the first and never ended on a memo-doubled one)."""
     monkeypatch.delenv("RANK", raising=False)
     path = tmp_path / "ck.pt"
-    pt_with_pickle(path, PICKLE_BOMBS[case]())
-    start = time.monotonic()
-    refused(lambda: ddp_main.load_checkpoint(str(path), ("model",)), capsys, "ck.pt")
-    assert time.monotonic() - start < 10, time.monotonic() - start
-    if len(PICKLE_BOMBS[case]()) < 1 << 20:
-        tracemalloc.start()
-        try:
-            refused(lambda: ddp_main.load_checkpoint(str(path), ("model",)), capsys, "ck.pt")
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        assert peak < 64 << 20, peak
+    head = b"\x80\x02}(X\x05\x00\x00\x00model}X\x0a\x00\x00\x00epochs_runK\x01X\x05\x00\x00\x00notes"
+    for value in (b"]" * 100_000 + b"a" * 99_999, b"]q\x00h\x00a"):
+        pt_with_pickle(path, head + value + b"u.")
+        start = time.monotonic()
+        assert loads_or_one_line(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run")),
+                                 capsys) == "loaded"
+        assert time.monotonic() - start < 10
 
 
-def test_every_pt_reader_path_refuses_the_bomb(tmp_path, capsys, monkeypatch):
-    """The six paths the 335 bytes hung: ddp_transformer with --resume and without (continue_checkpoint
-    reads it unasked), ddp_main --evaluate and --predict, ddp_gpus_torchrun --resume, ddp_uneven --resume;
-    and the line said on Ctrl-C (describe_checkpoint)."""
-    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    args, corpus, _, _ = transformer_checkpoint(tmp_path)
-    pt_with_pickle(tmp_path / "ck.pt", PICKLE_BOMBS["a tuple key nested 64 deep, two memo references a level"]())
-    main_args = ddp_main.parse_args(["--device", "cpu", "--checkpoint", args.checkpoint, "--resume", "--evaluate"])
-    model = ddp_main.ConvNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    start = time.monotonic()
-    refused(lambda: ddp_transformer.read_checkpoint(args, corpus), capsys, "nodes")
-    refused(lambda: ddp_transformer.continue_checkpoint(args.checkpoint, False), capsys, "not a checkpoint")
-    refused(lambda: ddp_main.restore_checkpoint(model, optimizer, None, [], main_args, None), capsys, "nodes")
-    refused(lambda: ddp_main.read_model(args.checkpoint), capsys, "nodes")
-    for script in (ddp_gpus_torchrun, ddp_uneven):
-        refused(lambda: script.load_checkpoint(args.checkpoint, ("model", "epoch"), model), capsys, "nodes")
-    assert ddp_transformer.describe_checkpoint(args.checkpoint) == "no checkpoint kept"
-    assert time.monotonic() - start < 5
-
-
-def test_a_metadata_bomb_is_refused_by_the_same_bound(ck, capsys):
-    """267 bytes of `.metadata` (the tuple key, 64 deep through the memo) hung fsdp_transformer's resume."""
-    metadata_path(ck).write_bytes(PICKLE_BOMBS["a tuple key nested 64 deep, two memo references a level"]())
-    start = time.monotonic()
-    refused(lambda: resume(ck), capsys, "refused unread", "nodes")
-    assert time.monotonic() - start < 5
-
-
-def test_every_pickle_torch_writes_passes_the_bound(ck, tmp_path):
-    """The bound refuses none of the pickles the scripts write: a Transformer's weights with AdamW's state
-    (and a vocabulary referenced twice), and fsdp's .metadata with its MetadataIndex keys."""
-    model = ddp_transformer.Transformer(vocab_size=40, d_model=16, num_heads=2, num_layers=2, max_len=16)
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(2, 16, dtype=torch.long)).sum().backward()
-    optimizer.step()
-    vocab = "".join(map(chr, range(32, 1032)))
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "vocab": vocab,
-                "config": {"vocab": vocab}}, buffer)
-    fsdp.check_archive(buffer.getvalue())  # the harness function, carried by fsdp_transformer (check_tensor_record)
-    fsdp.scan_pickle(metadata_path(ck).read_bytes())
-
-
-def two_views(shown_to_zipfile, shown_to_torch):
-    """One file that Python's zipfile reads as archive B and torch's reader (the end record's offsets) as
-    archive A: A's entries padded to where B's central directory begins, A's central directory there
-    (the same names: the same size), then all of B. zipfile finds B's directory just before the end record."""
-    b, a = shown_to_zipfile, shown_to_torch
-    with zipfile.ZipFile(io.BytesIO(b)) as zb, zipfile.ZipFile(io.BytesIO(a)) as za:
-        b_directory, a_directory = zb.start_dir, za.start_dir
-    assert a_directory <= b_directory and len(a) - a_directory == len(b) - b_directory
-    return a[:a_directory].ljust(b_directory, b"\0") + a[a_directory:len(a) - 22] + b
-
-
-def rezipped(state, compression):
-    raw, out = io.BytesIO(), io.BytesIO()
-    torch.save(state, raw)
-    with zipfile.ZipFile(raw) as src, zipfile.ZipFile(out, "w", compression) as dst:
-        for item in src.infolist():
-            dst.writestr(item.filename, src.read(item.filename))
-    return out.getvalue()
-
-
-def test_the_zip_torch_reads_is_the_zip_checked(tmp_path, capsys, monkeypatch):
-    """A file that is a small stored checkpoint to zipfile and a deflated one of 64 MiB to torch.load (the
-    issue's: 2 MB that inflated to 4.2 GB and resumed with exit 0): refused by the end record's offsets,
-    before a byte is inflated; the same for a `.distcp` tensor record."""
+def test_a_refused_pt_file_is_one_line_without_torchs_warnings(tmp_path, capsys, monkeypatch):
+    """torch's reader warns on its way to a refusal (found by the fuzz: a REDUCE that calls a storage, which
+    torch compares with its allowlist, warning that TypedStorage is deprecated): the one `error:` line is
+    all the user sees."""
     monkeypatch.delenv("RANK", raising=False)
-    good = rezipped({"model": {"w": torch.ones(40_000)}, "epochs_run": 1}, zipfile.ZIP_STORED)
-    bomb = rezipped({"model": {"w": torch.zeros(16 << 20)}, "epochs_run": 99}, zipfile.ZIP_DEFLATED)
     path = tmp_path / "ck.pt"
-    path.write_bytes(two_views(good, bomb))
-    with zipfile.ZipFile(path) as seen:  # zipfile sees the good one, stored
-        assert all(e.compress_type == zipfile.ZIP_STORED for e in seen.infolist())
-    tracemalloc.start()
+    storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x01tQ"
+    pt_with_pickle(path, b"\x80\x02" + storage + b"K\x00R.", like={"model": {"w": torch.ones(1)}})
+    torch.storage._set_always_warn_typed_storage_removal(True)  # torch warns once a process otherwise
     try:
-        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run")), capsys, "central directory")
-        peak = tracemalloc.get_traced_memory()[1]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "refused unread")
     finally:
-        tracemalloc.stop()
-    assert peak < 16 << 20, peak
-    with pytest.raises(ValueError, match="central directory"):
-        fsdp.check_tensor_record(two_views(good, bomb))
-    for tail in (b"\0", b"PK\x05\x06" + b"\0" * 18):  # bytes after the end record; a second end record
-        path.write_bytes(good + tail)
-        refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "end record")
-    path.write_bytes(b"\0" * 64 + good)  # bytes before the first entry
-    refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "ck.pt")
+        torch.storage._set_always_warn_typed_storage_removal(False)
+    assert not seen, [str(w.message) for w in seen]
 
 
-def test_a_pt_file_is_read_once_from_one_descriptor(tmp_path, capsys, monkeypatch):
-    """The file checked is the file loaded: swapped for another run's checkpoint right after it was opened,
-    the first one's bytes are still what load_checkpoint returns. A link, a hard link and a FIFO: refused."""
+def test_a_linked_checkpoint_is_refused_with_the_file_it_names(tmp_path, capsys, monkeypatch):
+    """A link is not followed, and the fix names the file it links to (not "delete it": it is the user's
+    file); a hard link (a file of another folder too) is refused; on Ctrl-C neither is read."""
     monkeypatch.delenv("RANK", raising=False)
-    path, other = tmp_path / "ck.pt", tmp_path / "other.pt"
+    path = tmp_path / "ck.pt"
     torch.save({"model": {"w": torch.ones(3)}, "epochs_run": 1}, path)
-    torch.save({"model": {"w": torch.zeros(3)}, "epochs_run": 7}, other)
-    swapped = []
-
-    def then_swap(real):  # the attacker's swap, right after the reader first opens the file, however it opens it
-        def opened(name, *args, **kwargs):
-            result = real(name, *args, **kwargs)
-            if str(name) == str(path) and not swapped:
-                swapped.append(os.replace(other, path))
-            return result
-        return opened
-    monkeypatch.setattr(os, "open", then_swap(os.open))
-    monkeypatch.setattr("builtins.open", then_swap(open))
-    assert ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run"))["epochs_run"] == 1 and swapped
-    monkeypatch.undo()
-    monkeypatch.delenv("RANK", raising=False)
+    assert ddp_gpus_torchrun.load_checkpoint(str(path), ("model", "epochs_run"))["epochs_run"] == 1
     os.symlink(path, tmp_path / "link.pt")
     refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(tmp_path / "link.pt"), ("model",)), capsys, "symbolic link",
-            f"(pass the file it links to, {os.path.realpath(path)})")  # not "delete it": it names the user's file
+            f"(pass the file it links to, {os.path.realpath(path)})")
+    assert ddp_gpus_torchrun.describe_checkpoint(str(tmp_path / "link.pt")) == "no checkpoint kept"
     os.link(path, tmp_path / "hard.pt")
     refused(lambda: ddp_gpus_torchrun.load_checkpoint(str(path), ("model",)), capsys, "one link")
     assert ddp_gpus_torchrun.describe_checkpoint(str(path)) == "no checkpoint kept"
@@ -1150,7 +1001,7 @@ def test_a_save_killed_at_any_point_leaves_a_save_that_resumes(ck):
     assert result.returncode == 0 and f"step {pointer['step']}," in result.stdout, str(result)
 
 
-# ---------------------------------------------------------------- issue 42: descriptors, widths, mounts, values
+# ---------------------------------------------------------------- issue 42: links, widths, values
 import errno  # noqa: E402  (here: the tests above this section are another change's)
 
 
@@ -1173,30 +1024,6 @@ def another_runs_save(ck, where, scale=2.0):
         for p in model.parameters():
             p.mul_(scale)
     dcp.save(tensors_of(model), storage_writer=FileSystemWriter(str(where)))
-
-
-@pytest.mark.parametrize("swap", ["a link to another run's file", "a FIFO", "a hard link to another run's file"])
-def test_a_file_swapped_after_its_check_is_never_what_is_read(ck, capsys, monkeypatch, swap):
-    """Class 4: the `.distcp` is swapped between the load's checks and DCP's read (here: as the checks of
-    the load's .metadata return). DCP opened it again by path: the link was followed (the other run's
-    weights resumed, exit 0) and the FIFO hung the run. Now the file DCP reads is opened without following
-    a link or waiting, and checked on that descriptor: one error line, at once, nothing of the other run's
-    read."""
-    another_runs_save(ck, ck.parent / "other")
-    theirs = ck.parent / "other" / "__0_0.distcp"
-    distcp, check, checks = ck / "step-00000004" / "__0_0.distcp", fsdp.check_metadata, []
-
-    def check_then_swap(metadata, folder):  # read_checkpoint's check, then the load's: swapped after that one
-        check(metadata, folder)
-        checks.append(folder)
-        if len(checks) == 2:
-            os.rename(distcp, ck.parent / "moved.distcp")
-            {"a link to another run's file": lambda: os.symlink(theirs, distcp), "a FIFO": lambda: os.mkfifo(distcp),
-             "a hard link to another run's file": lambda: os.link(theirs, distcp)}[swap]()
-    monkeypatch.setattr(fsdp, "check_metadata", check_then_swap)
-    before, start = theirs.stat().st_atime_ns, time.monotonic()
-    refused(lambda: resume(ck), capsys, "cannot read checkpoint", "__0_0.distcp", "refused")
-    assert time.monotonic() - start < 30 and theirs.stat().st_atime_ns == before
 
 
 def test_a_hard_link_or_a_fifo_planted_in_the_save_is_refused_unread(ck, capsys):
@@ -1244,31 +1071,6 @@ def test_a_lock_hard_linked_to_an_outside_file_is_refused_and_not_written(ck, ca
     assert victim.read_text() == "keep" and not fsdp.LOCKED
 
 
-def mounted_at(monkeypatch, path):
-    """mount_of says `path` is another mount, as a bind mount there would be (a real one: the slow test)."""
-    real = fsdp.mount_of
-    monkeypatch.setattr(fsdp, "mount_of", lambda fd: ("elsewhere", 1) if os.readlink(f"/proc/self/fd/{fd}")
-                        == str(path) else real(fd))
-
-
-def test_a_save_folder_on_another_mount_is_neither_deleted_nor_read(ck, capsys, monkeypatch):
-    """Class 8: a `step-N` that is a bind mount of another run's save: the commit's delete of older saves
-    emptied that run's save. A folder on another mount is never deleted, nor resumed from."""
-    other = ck / "step-00000003"
-    shutil.copytree(ck / "step-00000004", other)
-    files = sorted(os.listdir(other))
-    mounted_at(monkeypatch, other)
-    pointer = json.loads((ck / "latest.json").read_text())
-    folder = fsdp.save_folder(str(ck), 5, "step-00000004")
-    fsdp.save_tensors(tensors_of(a_model(ck)), str(ck), folder)
-    fsdp.commit_checkpoint(str(ck), folder, {**pointer, "step": 5})
-    assert sorted(os.listdir(other)) == files and not (ck / "step-00000004").exists()
-    (ck / "latest.json").write_text(json.dumps({**pointer, "folder": "step-00000003"}))
-    refused(lambda: resume(ck), capsys, "step-00000003", "another file system mounted there")
-    refused(lambda: fsdp.save_folder(str(ck), 3, "step-00000005"), capsys, "step-00000003", "mount")
-    assert sorted(os.listdir(other)) == files
-
-
 def test_chunks_that_leave_part_of_a_tensor_unsaved_are_refused(ck, capsys):
     """Class 9: a chunk one row short (or two chunks over the same rows): the resume left that row at its
     fresh initialization, exit 0."""
@@ -1300,7 +1102,7 @@ def test_a_global_batch_beyond_the_texts_epoch_is_refused_at_once(ck, capsys):
 def test_a_refused_metadata_changes_no_function_class_or_member(ck, capsys):
     """Class 9: BUILD's (state, slots) form calls setattr, which reaches what vars() does not show: a
     function's __defaults__, a class's __name__, an enum member's __class__ (it became another class,
-    process-wide). Each is put back and refused."""
+    process-wide). Each is refused before it is set."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
     member = stack_global(MD, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R"
     for target, name, value in ((stack_global("torch.serialization", "_get_layout"), "__defaults__",
@@ -1309,7 +1111,7 @@ def test_a_refused_metadata_changes_no_function_class_or_member(ck, capsys):
                                 (member, "__class__", stack_global(MD, "StorageMeta"))):
         metadata_path(ck).write_bytes(b"\x80\x04" + target + b"N}" + su(name) + value + b"s\x86b.")
         refused(lambda: resume(ck), capsys, "refused unread", "sets attributes of")
-    assert fsdp.layout_named.__defaults__ is None and Metadata.__name__ == "Metadata"
+    assert torch.serialization._get_layout.__defaults__ is None and Metadata.__name__ == "Metadata"
     assert type(_MEM_FORMAT_ENCODING(0)) is _MEM_FORMAT_ENCODING
 
 
@@ -1371,26 +1173,3 @@ def test_a_name_planted_in_a_new_save_folder_is_not_written_through(ck, capsys, 
     refused(lambda: fsdp.save_tensors(tensors_of(a_model(ck)), str(ck), folder), capsys, "File exists",
             "previous save")
     assert victim.read_bytes() == b"keep" * 1000 and not (ck / folder).exists() and resume(ck)["step"] == 4
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_real_bind_mount_of_another_runs_save_is_kept(ck):
-    """Class 8 with a real bind mount, in a mount namespace of its own (unshare: nothing leaks out): the
-    commit leaves the mounted save's files, and a resume from it is one error line."""
-    other = ck.parent / "other-run-save"
-    shutil.copytree(ck / "step-00000004", other)
-    (ck / "step-00000003").mkdir()
-    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); import fsdp_transformer as f; "
-              f"p = json.load(open({str(ck / 'latest.json')!r})); "
-              f"f.commit_checkpoint({str(ck)!r}, 'step-00000004', p); print(sorted(__import__('os').listdir("
-              f"{str(ck / 'step-00000003')!r})))")
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
-    if probe.returncode:
-        pytest.skip("no mount namespace here (unshare -m needs CAP_SYS_ADMIN)")
-    result = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                             f'mount --bind "{other}" "{ck / "step-00000003"}" && "{sys.executable}" -c "$0"', script],
-                            capture_output=True, text=True, timeout=240, env=cpu_env())
-    assert result.returncode == 0, result
-    assert result.stdout.strip() == str(sorted(os.listdir(other))) and sorted(os.listdir(other)) == sorted(
-        os.listdir(ck / "step-00000004"))

@@ -3,7 +3,6 @@ its banner names. Edit here, then `python3 tools/sync_harness.py` copies into ea
 import argparse
 import atexit
 import contextlib
-import enum
 import errno
 import gc
 import inspect
@@ -15,18 +14,16 @@ import multiprocessing
 import os
 import pathlib
 import pickle
-import pickletools
 import re
+import shutil
 import signal
 import socket
 import stat
-import struct
 import sys
 import threading
 import time
 import traceback
 import warnings
-import zipfile
 from datetime import timedelta
 
 import torch
@@ -595,186 +592,48 @@ def load_checkpoint(path, keys, model=None, optimizers=None):
 
 
 def checkpoint_data(path):
-    """torch.load with weights_only: plain data, so a pickled object is refused before it runs; onto the CPU
-    (load_state_dict moves each tensor to its parameter); torch.load reads the zip that read_checked wrote from
-    what it checked. Unreadable: one line per machine."""
+    """torch.load with weights_only, so a pickled object is refused before it runs, from a plain file
+    (open_plain); onto the CPU (load_state_dict moves each tensor to its parameter). Unreadable: one line per
+    machine. torch's reader bounds no work or memory by the file's size (docs/faults.md)."""
     try:
-        return torch.load(io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
+        with open(open_plain(path), "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on a file that it may be about to refuse
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "not plain data")
         fail(f"{path} holds pickled Python objects and was refused unread ({reason})",
              "load only checkpoints this script wrote; delete it to start afresh", every_node=True)
-    except Exception as e:  # OSError (ELOOP: a link), a bad zip, struct.error, MemoryError, RecursionError, ...
+    except Exception as e:  # OSError (ELOOP: a link), not a plain file, a bad zip, MemoryError, ...
         fail(f"cannot read checkpoint {path} ({type(e).__name__}: {str(e).strip().split('. ')[0][:160]})",
              f"pass the file it links to, {os.path.realpath(path)}" if getattr(e, "errno", 0) == errno.ELOOP
              else "it is unreadable or truncated; delete it to start afresh", every_node=True)
 
 
-def holds_tensor(value):
-    """Whether a tensor lies anywhere in `value` (check_pickle bounded its nesting and its size)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    return any(map(holds_tensor, value.values() if isinstance(value, dict) else value
-                   if isinstance(value, (list, tuple)) else ()))
-
-
-def read_checked(path, tensors=True):
-    """torch.save's zip at `path` for torch.load, written anew by repacked from the entries it checked, so torch
-    reads what was checked: read from one descriptor opened without following a link or waiting on a FIFO, of
-    a regular file with one link (fstat), so a file swapped in after the check is never read. tensors=False:
-    its tensors' records left empty and unread, for torch.load(map_location="meta") to read the counters in
-    bounded memory."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:  # ELOOP: a symbolic link (load_checkpoint says to pass the file it names)
-        raise OSError(errno.ELOOP, "a symbolic link, not followed") if e.errno == errno.ELOOP else e
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:  # 0: replaced since it was opened, and still read
-            raise ValueError("not a plain file of one link (a FIFO, a device, a folder or a hard link)")
-        with open(fd, "rb", closefd=False) as f:
-            return repacked(f, tensors)[0]
-    finally:
+def open_plain(path, flags=os.O_RDONLY):
+    """A descriptor of `path`, opened without following a link (OSError ELOOP, "Too many levels of symbolic
+    links") or waiting on a FIFO, once it is a regular file of one link (fstat; a hard link is a file of some
+    other folder too), else ValueError."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # 0: removed since it was opened
         os.close(fd)
+        raise ValueError(f"{path} is refused: it is not a plain file of one link (a FIFO, a device, a folder "
+                         f"or a file of {info.st_nlink} links)")
+    return fd
 
 
-def check_archive(data):
-    """The data.pkl of torch.save's zip `data`, for a reader of `data` itself: repacked's checks, else ValueError."""
-    return repacked(io.BytesIO(data), tensors=False)[1]
-
-
-def repacked(f, tensors=True):
-    """(the zip in file `f` written anew from what zipfile read of it, its data.pkl) once it is torch.save's and
-    torch's reader of `f` would read the same: one central directory (central_directory), named as zipfile
-    found it; entries stored (none inflates), not encrypted, adding up to no more than the file, named once
-    (torch looks names up whatever their case) under one folder with a data.pkl, whose pickle is bounded
-    (check_pickle); else ValueError. tensors=False: the tensors' records (`data/N`) left empty, unread."""
-    count, directory_at = central_directory(f)
-    archive = zipfile.ZipFile(f)
-    entries, names = archive.infolist(), archive.namelist()
-    folder = names[0].split("/")[0] + "/" if names else "/"  # torch reads the records under the first entry's folder
-    if any(e.flag_bits & 1 or e.compress_type or e.compress_size != e.file_size for e in entries):
-        raise ValueError("its zip entries are compressed or encrypted; torch.save stores each")
-    if archive.start_dir != directory_at or len(entries) != count or sum(e.file_size for e in entries) > directory_at:
-        raise ValueError("its zip central directory is not the one its end record names, or its entries overlap")
-    if f"{folder}data.pkl" not in names or len({n.lower() for n in names}) < len(names) or \
-            not all(n.startswith(folder) for n in names):
-        raise ValueError("its zip is not torch.save's (no data.pkl, entries outside its folder or named twice)")
-    pickled = archive.read(f"{folder}data.pkl")  # read once: the bytes checked are the bytes written
-    check_pickle(pickled)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as fresh:
-        for name in names:
-            unread = not tensors and "/data/" in name.lower()
-            fresh.writestr(name, pickled if name == f"{folder}data.pkl" else b"" if unread else archive.read(name))
-    return out.getvalue(), pickled
-
-
-def central_directory(f):
-    """(entries, offset) of the central directory of the zip in file `f` as torch's reader takes them (the end
-    record's, or its zip64 twin's where saturated), once zipfile must take the same (it finds the end record by
-    its place): the end record last (no comment), its zip64 twin agreeing, the directory right before them."""
-    size = f.seek(0, 2)
-    f.seek(max(size - 98, 0))
-    tail = f.read()
-    end, locator = tail[-22:], tail[-42:-22] if size >= 98 else b""
-    if len(end) != 22 or end[:4] != b"PK\x05\x06":
-        raise ValueError("no zip end record at its end (not torch.save's zip, or bytes after it)")
-    disk, cd_disk, here, count, cd_size, cd_at, comment = struct.unpack("<HHHHIIH", end[4:])
-    edge = size - 22
-    if locator[:4] == b"PK\x06\x07":  # zip64: its record right before the locator, its values the ones read
-        record_disk, record_at, disks = struct.unpack("<IQI", locator[4:])
-        sig, length, _, _, disk64, cd_disk64, *wide = struct.unpack("<4sQHHIIQQQQ", tail[:56])
-        ours = (sig, length, record_at, record_disk + disk64 + cd_disk64, disks)
-        if ours != (b"PK\x06\x06", 44, size - 98, 0, 1) or any(
-                short not in (full, value) for short, full, value in
-                zip((here, count, cd_size, cd_at), (0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF), wide)):
-            raise ValueError("its zip64 end record disagrees with its end record")
-        (here, count, cd_size, cd_at), edge = wide, size - 98
-    if disk or cd_disk or comment or here != count or cd_at + cd_size != edge:
-        raise ValueError("its zip end record does not end its central directory (a second archive in one file)")
-    return count, cd_at
-
-
-def check_pickle(data, object_keys=False):
-    """ValueError unless unpickling `data` (by any unpickler) is work about linear in its size. A dry run of
-    its stack, where each object weighs the nodes it stands for with memo references expanded (a BINGET
-    pushes the weight of what it names: a tuple of two references to the one below, 64 deep, is 2^64 nodes
-    in 335 bytes), against a few nodes a byte; nesting bounded; no object changed once referenced (its weight
-    would be stale); dict keys and set items small and of a kind whose hash no one can collide at scale: str
-    (hashed with a per-process secret), an int of 31 bits (150,000 ints k x (2^61 - 1) share one hash), and
-    with object_keys an object."""
-    limit, stack, marks, memo = 4 * len(data) + 4096, [], [], []
-    for op, arg, at in pickletools.genops(data):  # a length past the end raises ValueError here, unread
-        floor = marks[-1] if marks else 0
-        if op.name == "MARK":
-            marks.append(len(stack))
-        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
-            if len(stack) <= floor if op.name == "DUP" else arg >= len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} names nothing")
-            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
-            stack[-1][3] = True  # referenced: its weight is final
-        elif not op.stack_before and op.stack_after:  # a number, a string, an empty container, a global's name
-            text = arg if isinstance(arg, str) else None
-            kind = "str" if text is not None and op.name not in ("GLOBAL", "PERSID") else "int" if type(arg) is int \
-                and -2 ** 31 < arg < 2 ** 31 and not op.name.startswith("EXT") else "other"
-            stack.append([1 + (len(arg) >> 6 if isinstance(arg, (str, bytes)) else 0), 0, kind, False, text])
-        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(memo) if op.name == "MEMOIZE" else arg
-            if len(stack) <= floor or index > len(memo):
-                raise ValueError(f"its pickle's {op.name} at byte {at} memoizes nothing, or past its memo")
-            memo[index:index + 1] = [stack[-1]]
-        elif op.name == "FRAME" and arg > len(data) - at:
-            raise ValueError(f"its pickle's frame at byte {at} is longer than the pickle")
-        elif op.name == "POP" and len(stack) == floor and marks:
-            marks.pop()
-        elif (made := folded(op, at, taken_off(op, at, stack, marks), object_keys)) is not None:
-            if made[0] > limit or made[1] > 100:
-                raise ValueError(f"its pickle builds at byte {at} an object of over {limit} nodes (memo references "
-                                 f"expanded) or nested over 100 deep, from {len(data)} bytes")
-            stack.append(made)
-
-
-def taken_off(op, at, stack, marks):
-    """The objects `op` takes off the stack, bottom first: down to its mark, with what it needs below that."""
-    names = [s.name for s in op.stack_before]
-    below = names.index("mark") if "mark" in names else len(names)
-    if "mark" in names and not marks:
-        raise ValueError(f"its pickle's {op.name} at byte {at} has no mark")
-    start = (marks.pop() if "mark" in names else len(stack)) - below
-    if start < (marks[-1] if marks else 0):
-        raise ValueError(f"its pickle's {op.name} at byte {at} finds too few objects")
-    taken = stack[start:]
-    del stack[start:]
-    return taken
-
-
-def folded(op, at, taken, object_keys):
-    """What `op` leaves on the stack, [weight, depth, kind, referenced, text] (None: nothing): the objects it
-    took folded into a new one, or into the container it fills (APPEND(S), SETITEM(S), ADDITEMS, BUILD)."""
-    fills = op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
-    parts = taken[1:] if fills else taken
-    pairs = op.name in ("SETITEM", "SETITEMS", "DICT")
-    keys = parts[0::2] if pairs else parts if op.name in ("ADDITEMS", "FROZENSET") else ()
-    if pairs and len(parts) % 2 or any(k[0] > 64 or k[2] not in ("str", "int", "object" if object_keys else "str")
-                                       for k in keys):
-        raise ValueError(f"its pickle's {op.name} at byte {at} makes a key of a kind or size torch never writes")
-    if fills and taken[0][3]:
-        raise ValueError(f"its pickle's {op.name} at byte {at} changes an object after it was referenced")
-    if op.name == "REDUCE" and taken[1][0] > 1 and taken[0][4] in (
-            "collections OrderedDict", "collections Counter", "collections defaultdict", "builtins dict",
-            "builtins set", "builtins frozenset"):
-        raise ValueError(f"its pickle's REDUCE at byte {at} fills a {taken[0][4]} with keys not checked")
-    weight, depth = 0, 0
-    for cell in parts:
-        cell[3], weight, depth = True, weight + cell[0], max(depth, cell[1] + 1)
-    if fills:
-        taken[0][0], taken[0][1] = taken[0][0] + weight, max(taken[0][1], depth)
-        return taken[0]
-    if not op.stack_after:
-        return None
-    kind = "object" if op.name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "OBJ", "INST") else "other"
-    return [1 + weight, depth, kind, False, f"{taken[0][4]} {taken[1][4]}" if op.name == "STACK_GLOBAL" else None]
+def holds_tensor(value):
+    """Whether a tensor lies anywhere in `value`: each object looked at once, without recursion (torch's
+    reader bounds neither nesting nor a list that holds itself)."""
+    todo, seen = [value], set()
+    while todo:
+        value = todo.pop()
+        if isinstance(value, torch.Tensor):
+            return True
+        if isinstance(value, (dict, list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            todo.extend(value.values() if isinstance(value, dict) else value)
+    return False
 
 
 def check_and_load_weights(path, state, model, entry="model"):
@@ -920,9 +779,11 @@ def describe_checkpoint(path):
 
 
 def peek_checkpoint(path):
-    """The checkpoint's counters and stamps, its tensors left unread (shapes on the meta device): the memory of
-    its small entries, however large the file; read and checked as load_checkpoint's (read_checked)."""
-    return torch.load(io.BytesIO(read_checked(path, tensors=False)), map_location="meta", weights_only=True)
+    """The checkpoint's counters and stamps, its tensors mapped (mmap=True) and never read: the memory of its
+    small entries, however large the file (map_location="meta" read every tensor before pytorch/pytorch#170619,
+    December 2025). Checked as load_checkpoint's file is (open_plain) first: mmap takes a path, not a file."""
+    os.close(open_plain(path))
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
 def where_checkpoint_is(state):
@@ -948,402 +809,117 @@ def note_world_change(state, steps_per_epoch, batch_size):
                f"batch and the steps per epoch change with the world); kept: the weights, the optimizer state and the epoch")
 
 
-# ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, by descriptor
-def open_folder(path):
-    """A descriptor of the folder `path` (the user's to name, through a link or not): what is in it is
-    opened by name in it (open_checked), never by a path walked again."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def mount_of(fd):
-    """(device, mount) of an open file or folder: a bind mount of another run's folder on the same file
-    system has that file system's device but a mount of its own (Linux's /proc/self/fdinfo; elsewhere the
-    device alone tells a mount)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as f:
-            mount = next((line.split()[1] for line in f if line.startswith("mnt_id:")), None)
-    except OSError:
-        mount = None
-    return os.fstat(fd).st_dev, mount
-
-
-def open_checked(name, kind, folder_fd, flags=os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY):
-    """(descriptor, "") of `name` in the open folder `folder_fd`, or (None, why it is refused). Opened once,
-    without following a link or waiting on a FIFO, and checked on the descriptor, so what is read from it
-    is what was checked whatever takes the name later: a plain file or folder (`kind`: stat.S_ISREG or
-    stat.S_ISDIR) on the folder's own mount (never into a bind mount), a file of one link (a hard link is
-    also a file of some other folder). A name with a separator or a NUL is refused unopened."""
-    if type(name) is not str or os.sep in name or "\0" in name or name in ("", ".", ".."):
-        return None, "it lies outside the checkpoint folder"
-    try:
-        fd = os.open(name, flags | (os.O_DIRECTORY if kind is stat.S_ISDIR else 0), 0o644, dir_fd=folder_fd)
-    except OSError as e:
-        return None, {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is a symbolic link or not a folder"
-                      }.get(e.errno, f"it cannot be opened ({e.strerror})")
-    found = os.fstat(fd)
-    why = "" if kind(found.st_mode) else "it is not a plain " + ("file" if kind is stat.S_ISREG else "folder")
-    if not why and mount_of(fd) != mount_of(folder_fd):
-        why = "it is another file system mounted there"
-    if not why and kind is stat.S_ISREG and found.st_nlink != 1:
-        why = f"it has {found.st_nlink} links (a hard link is a file of another folder too)"
-    if why:
-        os.close(fd)
-        return None, why
-    return fd, ""
-
-
-def opened_file(name, folder_fd):
-    """open_checked's descriptor of the plain file `name` in `folder_fd`, or a ValueError saying why not."""
-    fd, why = open_checked(name, stat.S_ISREG, folder_fd)
-    if why:
-        raise ValueError(f"{str(name)[:80]!r} is refused: {why}")
-    return fd
-
-
-def read_bounded(name, folder_fd, limit):
-    """The bytes of the plain file `name` in `folder_fd` (opened_file), at most `limit` of them: its size
-    on the descriptor first, then as many bytes from it."""
-    fd = opened_file(name, folder_fd)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise ValueError(f"not a plain file of at most {limit >> 20} MiB")
-        data = os.pread(fd, size, 0)  # allocates the file's size, not the limit
-    finally:
-        os.close(fd)
-    if len(data) != size:
-        raise ValueError("it shrank while it was read")
-    return data
-
-
-def read_file_in(root, name, limit):
-    """read_bounded of root/name; OSError, or ValueError saying why it is refused."""
-    top = open_folder(root)
-    try:
-        return read_bounded(name, top, limit)
-    finally:
-        os.close(top)
-
-
-class SaveFolder:
-    """One save's folder, opened once through the checkpoint folder (open_checked; one error line if
-    refused): its files are opened by name in this descriptor (opened_file), each checked on its own
-    descriptor and read from it, so a link, a hard link, a FIFO or a mount put in a file's place after an
-    earlier check is refused by the open that reads. A context manager: leaving it closes the folder."""
-
-    def __init__(self, root, name):
-        self.path = os.path.join(root, name)
-        try:
-            top = open_folder(root)
-        except OSError as e:
-            fail(f"cannot open checkpoint folder {root} ({e.strerror})", "pass the --checkpoint folder a run wrote",
-                 every_node=True)
-        try:
-            self.fd, why = open_checked(name, stat.S_ISDIR, top)
-        finally:
-            os.close(top)
-        if why:
-            fail(f"checkpoint {root} names {str(name)[:80]!r}, which is refused: {why}",
-                 "load only checkpoints this script wrote; delete the folder to start afresh", every_node=True)
-
-    def size(self, name):
-        fd = opened_file(name, self.fd)
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-
-    def close(self):
-        os.close(self.fd)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def remove_save(root, name):
-    """Delete the save root/name through descriptors: the files directly in it, then the folder; whether it
-    is gone. Never through a link, never a folder on another mount (a bind mount of another run's save,
-    whose files would go) nor a folder inside it: those stay, and so does the save (open_checked)."""
-    try:
-        top = open_folder(root)
-        try:
-            fd, _ = open_checked(name, stat.S_ISDIR, top)
-            if fd is None:
-                return False
-            try:
-                for entry in os.listdir(fd):
-                    with contextlib.suppress(OSError):  # a folder in it (EISDIR) stays
-                        os.unlink(entry, dir_fd=fd)  # a link is removed, not followed
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=top)  # not if anything stayed, nor a mount put there since
-            return True
-        finally:
-            os.close(top)
-    except OSError:
-        return False
-
-
-def layout_named(name):
-    """torch.serialization._get_layout, for the two layouts a saved tensor has: any other name is refused."""
-    if name not in ("torch.strided", "torch.sparse_coo"):
-        raise pickle.UnpicklingError(f"layout {str(name)[:40]!r} is not a tensor layout")
-    return getattr(torch, name.split(".")[1])
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle: admit only the (module, name) pairs of ADMITTED, exactly, so a payload
-    (a __reduce__ naming any other callable, or a dotted name that walks from an admitted module to
-    `os.system`) is refused before it runs. Nothing dotted, no module admitted whole (a name like
-    `os.system` resolves through a module's imports); paths become pure paths (no I/O), and the layout
-    lookup is ours (layout_named)."""
-    ADMITTED = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): layout_named,
-                ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"):
-                pathlib.PurePosixPath, ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-                ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
-                (_filesystem.__name__, "_StorageInfo"): _filesystem._StorageInfo}
+# ---- recipe: safe DCP (needs safe load, errors): a torch.distributed.checkpoint save read and written as data, in its folder
+class MetadataUnpickler(pickle._Unpickler):
+    """DCP's `.metadata` is a pickle, which DCP reads with pickle.load (code runs). This one admits only the
+    (module, name) pairs of ADMITTED, exactly, so a payload (a __reduce__ naming any other callable, or a dotted
+    name that walks from an admitted module to `os.system`) is refused before it runs; paths become pure paths.
+    Python's own unpickler (the C one's opcodes cannot be overridden), so that BUILD sets attributes only on
+    DCP's records made by this pickle, never on a class, a function or an enum member (process-wide)."""
+    RECORDS = (_metadata.Metadata, _metadata.TensorStorageMetadata, _metadata.TensorProperties, _metadata.StorageMeta,
+               _metadata.ChunkStorageMetadata, _metadata.MetadataIndex, _filesystem._StorageInfo)
+    ADMITTED = {(kind.__module__, kind.__name__): kind for kind in RECORDS}
+    ADMITTED.update({("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+                     (_metadata.__name__, "_MEM_FORMAT_ENCODING"): _metadata._MEM_FORMAT_ENCODING})
+    ADMITTED.update({(module, name): getattr(pathlib, f"Pure{name}") for module in ("pathlib", "pathlib._local")
+                     for name in ("PosixPath", "WindowsPath")})
     ADMITTED.update({("torch", str(t).split(".")[1]): t for t in vars(torch).values() if isinstance(t, torch.dtype)})
-    ADMITTED.update({(_metadata.__name__, n): getattr(_metadata, n) for n in (
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "MetadataIndex",
-        "StorageMeta", "_MEM_FORMAT_ENCODING") if hasattr(_metadata, n)})  # each in torch 2.7 and 2.14
-    # the opcodes DCP's pickle.dump writes (protocols 2-5); no extension codes, persistent ids or stack games
-    OPCODES = {"PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET",
-               "STACK_GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
-               "EMPTY_LIST", "APPEND", "APPENDS", "EMPTY_DICT", "SETITEM", "SETITEMS", "NONE", "NEWTRUE",
-               "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
-               "BINUNICODE", "SHORT_BINBYTES", "BINBYTES"}
-    LIMIT = 256 << 20  # bytes of a `.metadata`: DCP writes about 300 a tensor, so a million tensors fit
 
     def find_class(self, module, name):
         if (module, name) in self.ADMITTED:
             return self.ADMITTED[(module, name)]
         raise pickle.UnpicklingError(f"{str(module)[:60]}.{str(name)[:60]} is not part of a checkpoint's metadata")
 
-
-def scan_pickle(data):
-    """Refuse, before unpickling, what the unpickler would act on before find_class sees anything: an
-    opcode DCP never writes, a memo index (the unpickler grows its memo to it: 2^32 entries from 12
-    bytes) beyond the entries made so far, or a frame longer than the file; and (the harness's
-    check_pickle) work beyond linear in its size: 267 bytes of memo references to a tuple nested 64 deep
-    as a dict key hung the resume. MetadataIndex objects are its keys."""
-    check_pickle(data, object_keys=True)
-    memo = 0
-    for op, arg, _ in pickletools.genops(data):  # a length past the end of the file raises ValueError here
-        if op.name not in MetadataUnpickler.OPCODES:
-            raise pickle.UnpicklingError(f"opcode {op.name} is not used in a checkpoint's metadata")
-        if op.name in ("BINPUT", "LONG_BINPUT") and arg > memo or op.name in ("BINGET", "LONG_BINGET") and \
-                arg >= memo or op.name == "FRAME" and arg > len(data):
-            raise pickle.UnpicklingError(f"{op.name} {arg} claims more than the file holds")
-        memo = max(memo, arg + 1) if op.name.endswith("PUT") else memo + (op.name == "MEMOIZE")
+    def load_build(self):
+        target = self.stack[-2]  # BUILD's object, under its state
+        if type(target) not in self.RECORDS:
+            raise pickle.UnpicklingError(f"it sets attributes of {getattr(target, '__name__', type(target).__name__)}")
+        super().load_build()
+    dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build}
 
 
-def settable(obj, names):
-    """What a setattr can change on `obj`: (its __dict__, what the data descriptors of its type hold, by
-    name: `names`, from described_names)."""
-    described = {}
-    for name in names:
-        with contextlib.suppress(Exception):  # one that cannot be read (a dtype's is_signed, quantized) is kept
-            described[name] = getattr(obj, name)
-    return (dict(vars(obj)) if hasattr(obj, "__dict__") else {}), described
-
-
-def described_names(kind):
-    """The names of the data descriptors of the type `kind` that a setattr on its instances reaches and
-    vars() does not show: a function's __defaults__ and __code__, a class's __name__ and __bases__, anyone's
-    __class__ (an enum member's can be made another class, process-wide). A property without a setter
-    cannot be set; a class's __dict__ is a new view at each look (its content is settable's first part),
-    and its __flags__ (read-only) change with its caches."""
-    return {n for klass in kind.__mro__ for n, d in vars(klass).items() if hasattr(d, "__set__")
-            and getattr(d, "fset", True)} - {"__dict__", "__flags__"}
-
-
-def changed(before, now):
-    """The names whose value is not the one held before (an int or a str by value: some are made at each look)."""
-    return {k for k in before.keys() | now.keys() if k not in before or k not in now or before[k] is not now[k]
-            and not (type(before[k]) is type(now[k]) and type(now[k]) in (int, str) and before[k] == now[k])}
-
-
-def put_back(obj, names, before):
-    """Undo what changed on `obj` since settable(obj, names) gave `before`; whether anything had."""
-    attributes, described = before
-    now = settable(obj, names)
-    moved = changed(described, now[1])
-    for name in sorted(moved, key=lambda n: n != "__class__"):  # its class first: the rest is looked up there
-        setattr(obj, name, described[name])
-    if isinstance(vars(obj) if hasattr(obj, "__dict__") else None, dict):  # an instance's or a function's own
-        vars(obj).clear()
-        vars(obj).update(attributes)
-    else:  # a class's, changed through setattr alone
-        for k in changed(attributes, now[0]):
-            setattr(obj, k, attributes[k]) if k in attributes else delattr(obj, k)
-    return bool(moved or changed(attributes, now[0]))
-
-
-def unpickle_metadata(data):
-    """MetadataUnpickler on `data`, scanned first; what a setattr can change on the admitted objects and
-    enum members (settable) is checked afterwards, since a pickle's BUILD can set attributes on any object
-    it holds: a change is put back, then refused."""
-    scan_pickle(data)
-    held = list(MetadataUnpickler.ADMITTED.values())
-    held += [m for v in held if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
-    kinds = {kind: described_names(kind) for kind in {type(v) for v in held}}
-    names = [kinds[type(v)] for v in held]  # taken now: BUILD can change an object's type
-    before = [settable(v, n) for v, n in zip(held, names)]
-    try:
-        return MetadataUnpickler(io.BytesIO(data)).load()
-    finally:
-        for obj, n, state in zip(held, names, before):
-            if put_back(obj, n, state):
-                raise pickle.UnpicklingError(f"it sets attributes of {getattr(obj, '__name__', type(obj).__name__)}")
-
-
-def metadata_of(save):
-    """The `.metadata` of `save` (a SaveFolder), unpickled by unpickle_metadata and checked by check_metadata;
-    raises what refuses it."""
-    metadata = unpickle_metadata(read_bounded(".metadata", save.fd, MetadataUnpickler.LIMIT))
-    check_metadata(metadata, save)
+def metadata_of(folder):
+    """The `.metadata` of the save `folder` (a folder, not a link), read from a plain file (open_plain) by
+    MetadataUnpickler and checked by check_metadata; raises what refuses it."""
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        raise ValueError(f"{folder} is not a save's folder (a link, a file, or missing)")
+    with open(open_plain(os.path.join(folder, ".metadata")), "rb") as f:
+        metadata = MetadataUnpickler(io.BytesIO(f.read())).load()  # a length past the end: no more than the file
+    check_metadata(metadata)
     return metadata
 
 
-def check_metadata(metadata, folder):
-    """Every field DCP reads, of the type DCP gives it: tensors only (a non-tensor entry would be read
-    with a code-running torch.load), chunks that tile their tensor (check_tiled), and every byte range
-    inside a plain file of this save (`folder`, a SaveFolder; relative_path: a name, never absolute or `..`)."""
-    md = _metadata
-    entries = getattr(metadata, "state_dict_metadata", None)
-    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries or \
-            type(getattr(metadata, "storage_meta", None)) not in (md.StorageMeta, type(None)) or \
-            type(getattr(metadata, "planner_data", None)) not in (dict, type(None)):
+def check_metadata(metadata):
+    """What the resume reads of it, of the types DCP gives them: tensors only (a non-tensor entry would be
+    read with a code-running torch.load), their chunks tiling them (check_tiled), and byte ranges that no
+    transform (a decompressor) inflates."""
+    md, entries = _metadata, getattr(metadata, "state_dict_metadata", None)
+    if type(metadata) is not md.Metadata or type(entries) is not dict or not entries:
         raise ValueError("not a checkpoint's metadata")
     for key, entry in entries.items():
-        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or \
-                type(getattr(entry, "properties", None)) is not md.TensorProperties or \
-                not isinstance(getattr(entry.properties, "dtype", None), torch.dtype) or \
-                type(getattr(entry, "size", None)) is not torch.Size or type(getattr(entry, "chunks", None)) is not list:
+        chunks, size = getattr(entry, "chunks", None), getattr(entry, "size", None)
+        if type(key) is not str or type(entry) is not md.TensorStorageMetadata or type(size) is not torch.Size or \
+                type(chunks) is not list or not all(type(c) is md.ChunkStorageMetadata and type(c.offsets) is
+                                                    type(c.sizes) is torch.Size and len(c.offsets) == len(c.sizes)
+                                                    == len(size) for c in chunks):
             raise ValueError(f"entry {str(key)[:60]!r} is not a tensor's")
-        for chunk in entry.chunks:
-            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if type(chunk) is not md.ChunkStorageMetadata or type(offsets) is not torch.Size or \
-                    type(sizes) is not torch.Size or not len(offsets) == len(sizes) == len(entry.size) or \
-                    not all(0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, entry.size)):
-                raise ValueError(f"a chunk of {key[:60]!r} lies outside its tensor")
         check_tiled(key, entry)
-    files = {}
     storage = getattr(metadata, "storage_data", None)
-    for index, info in (storage.items() if type(storage) is dict else [(None, None)]):
-        name, start, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
-        if type(index) is not md.MetadataIndex or index.fqn not in entries or type(info) is not _filesystem._StorageInfo \
-                or type(name) is not str or type(start) is not int or type(length) is not int or \
-                getattr(info, "transform_descriptors", None) or start < 0 or length < 0:
-            raise ValueError("its storage records are not a tensor file's byte ranges")
-        if name not in files:
-            files[name] = folder.size(name)
-        if start + length > files[name]:
-            raise ValueError(f"{name[:60]!r} is shorter than the bytes recorded in it")
+    if type(storage) is not dict or any(type(info) is not _filesystem._StorageInfo or
+                                        getattr(info, "transform_descriptors", None) for info in storage.values()):
+        raise ValueError("its storage records are not a tensor file's byte ranges")
 
 
 def check_tiled(key, entry):
-    """The chunks of a saved tensor tile it, so that a resume sets every element: each chunk spans whole
-    rows (FSDP shards the first dimension, and every save this script writes is FSDP's), and the rows of the
-    chunks follow one another from the first to the last without a gap or an overlap. A gap resumed with
-    those rows left at their fresh initialization; sorting keeps the check at n log n for n chunks."""
-    if not entry.size:  # a 0-d tensor (AdamW's step): one chunk, the whole of it
-        if len(entry.chunks) != 1:
-            raise ValueError(f"{key[:60]!r} has {len(entry.chunks)} chunks; a 0-d tensor has one")
-        return
-    rows = []
-    for chunk in entry.chunks:
-        if 0 not in chunk.sizes and (tuple(chunk.offsets[1:]) != (0,) * (len(entry.size) - 1)
-                                     or chunk.sizes[1:] != entry.size[1:]):
-            raise ValueError(f"a chunk of {key[:60]!r} is not whole rows, as FSDP saves them")
-        rows += [(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])] * (0 not in chunk.sizes)  # empty: no rows
-    rows.sort()
-    ends = [0] + [end for _, end in rows]
-    if [start for start, _ in rows] != ends[:-1] or ends[-1] != entry.size[0] and 0 not in entry.size:
+    """The chunks of a saved tensor tile it, so that a resume sets every element (a gap resumed with those
+    rows at their fresh initialization): each chunk whole rows (FSDP shards the first dimension), their rows
+    following one another from the first to the last without a gap or an overlap; a 0-d tensor one chunk."""
+    if not entry.size:
+        tiled = len(entry.chunks) == 1
+    else:
+        full = [c for c in entry.chunks if 0 not in c.sizes]  # an empty chunk holds no rows
+        rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in full)
+        ends = [0] + [end for _, end in rows]
+        tiled = 0 in entry.size or all(c.offsets[1:] == (0,) * (len(entry.size) - 1) and c.sizes[1:] == entry.size[1:]
+                                       for c in full) and [s for s, _ in rows] == ends[:-1] and ends[-1] == entry.size[0]
+    if not tiled:
         raise ValueError(f"the chunks of {key[:60]!r} leave rows of it unsaved or save them twice")
 
 
-def check_tensor_record(data):
-    """One tensor as DCP stores it (a torch.save archive), checked before torch.load reads it: every zip
-    entry stored, adding up to no more than the record (torch.load would inflate a deflated entry), and
-    its pickle naming only what rebuilds a plain tensor. torch's weights_only allowlist admits more
-    (DTensor and DeviceMesh among it): what a tensor record may name is decided here, not there. The
-    harness's check_archive: the zip torch.load reads is the one checked (its end record agrees with
-    the entries: no second archive behind it), and its pickle is bounded."""
-    for op, arg, _ in pickletools.genops(check_archive(data)):
-        if op.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4") or op.name == "GLOBAL" and \
-                arg not in ("torch._utils _rebuild_tensor_v2", "collections OrderedDict") and \
-                not re.fullmatch(r"torch [A-Za-z0-9]+Storage", arg):
-            raise ValueError(f"a tensor record names {str(arg or op.name)[:80]}, which is not a tensor's")
-
-
 class SaveFiles(FileSystem):
-    """DCP's file system over one save (a SaveFolder): every path DCP asks for names a file directly in the
-    folder's descriptor, and no path is walked again. Read: the file opened and checked (opened_file),
-    and read from that descriptor. Written: a new file (O_EXCL, O_NOFOLLOW: a name planted since the folder was made,
-    a link or a hard link to a file elsewhere, fails the save instead of being written through), renamed
-    and removed in the folder alone."""
+    """DCP's file system for one save folder: every file DCP opens lies directly in it (a `relative_path`
+    that is absolute or holds `..` is refused); one read is a plain file (open_plain: no link, FIFO or hard
+    link), one written is new (O_EXCL, O_NOFOLLOW: a name planted in the folder, a link or a hard link to a
+    file elsewhere, fails the save instead of being written through)."""
 
-    def __init__(self, save):
+    def __init__(self, folder):
         super().__init__()
-        self.save = save
-
-    def name_of(self, path):
-        path = pathlib.Path(path)
-        if path.parent != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not a file of the save {self.save.path}")
-        return path.name
+        self.folder = pathlib.Path(folder)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        name = self.name_of(path)
-        if mode not in ("rb", "wb"):
-            raise ValueError(f"DCP asked to open {name[:80]!r} as {mode!r}")
-        fd = opened_file(name, self.save.fd) if mode == "rb" else \
-            os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=self.save.fd)
+        if pathlib.Path(path).parent != self.folder or mode not in ("rb", "wb"):
+            raise ValueError(f"{str(path)[:80]!r} ({mode}) is refused: it lies outside the save {self.folder}")
+        fd = open_plain(path) if mode == "rb" else \
+            os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, mode) as stream:
             yield stream
 
-    def mkdir(self, path):  # save_folder made it, and the save writes into the folder it opened
-        if pathlib.Path(path) != pathlib.Path(self.save.path):
-            raise ValueError(f"{str(path)[:80]!r} is not the save's folder {self.save.path}")
-
-    def exists(self, path):
-        try:
-            return bool(os.stat(self.name_of(path), dir_fd=self.save.fd, follow_symlinks=False))
-        except FileNotFoundError:
-            return False
-
-    def rm_file(self, path):
-        os.unlink(self.name_of(path), dir_fd=self.save.fd)
-
-    def rename(self, path, new_path):
-        os.rename(self.name_of(path), self.name_of(new_path), src_dir_fd=self.save.fd, dst_dir_fd=self.save.fd)
-
 
 class SafeReader(FileSystemReader):
-    """DCP's FileSystemReader over one save (a SaveFolder): read_metadata's unpickler and checks, every file
-    read from the descriptor that was checked (SaveFiles), and no entry read that is not a tensor (DCP
-    reads those with a full, code-running torch.load). Tensors it reads with weights_only=True."""
+    """DCP's FileSystemReader of one save folder, its files opened by SaveFiles, its `.metadata` read by
+    metadata_of, and no entry read that is not a tensor (DCP reads those with a full, code-running
+    torch.load). Tensors it reads with weights_only=True."""
 
-    def __init__(self, save):
-        super().__init__(save.path)
-        self.fs, self.save = SaveFiles(save), save
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.fs = SaveFiles(folder)
 
     def read_metadata(self, *args, **kwargs):
-        metadata = metadata_of(self.save)  # refused before, refused again: a swap since
+        metadata = metadata_of(self.path)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-    def _slice_file(self, file, sinfo):
-        """Each tensor's bytes, checked by check_tensor_record before DCP's torch.load reads them."""
-        data = super()._slice_file(file, sinfo).read()
-        check_tensor_record(data)
-        return io.BytesIO(data)
 
     def read_data(self, plan, planner):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
@@ -1354,11 +930,21 @@ class SafeReader(FileSystemReader):
 
 
 class SafeWriter(FileSystemWriter):
-    """DCP's FileSystemWriter over one save (a SaveFolder), each file created in the folder's descriptor (SaveFiles)."""
+    """DCP's FileSystemWriter of one save folder, each file created new in it (SaveFiles)."""
 
-    def __init__(self, save):
-        super().__init__(save.path)
-        self.fs = SaveFiles(save)
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.fs = SaveFiles(folder)
+
+
+def remove_save(root, name):
+    """Delete the save root/name; whether it is gone. shutil.rmtree refuses a link in its place and removes
+    the links in it, never what they name."""
+    try:
+        shutil.rmtree(os.path.join(root, name))
+        return True
+    except OSError:
+        return False
 
 
 def failure_of(error):
