@@ -608,7 +608,7 @@ def replicas_verdict(every, fingerprint):
     if differ and dist.get_rank() == 0:
         report_error(f"error: the replicas differ after training: ranks {differ}{where} (find the update made on "
                      "one rank alone, or the buffer no collective syncs: docs/when_things_go_wrong.md)")
-    elif differ:  # at exit, so that rank 0, with its exit code 1, is torchrun's root cause
+    elif differ and "TORCHELASTIC_RUN_ID" in os.environ:  # at exit: rank 0, with its exit code 1, is the root cause
         atexit.register(wait_to_be_stopped)
     return not differ
 
