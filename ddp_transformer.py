@@ -2133,7 +2133,9 @@ def peek_checkpoint(path):
     small entries, however large the file (map_location="meta" read every tensor before pytorch/pytorch#170619,
     December 2025). Checked as load_checkpoint's file is (open_plain) first: mmap takes a path, not a file."""
     os.close(open_plain(path))
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on a file it may refuse: the caller's line says it
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
 
 
 def where_checkpoint_is(state):
