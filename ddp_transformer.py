@@ -718,8 +718,8 @@ def train(device, args, corpus, checkpoint):
             if s > first and (run.step >= run.total or run.budget.out_of_time()):  # the clock before every other step
                 break
             torch.manual_seed(step_seed(args.seed, dist.get_rank(), run.step))  # dropout: see step_seed
-            for group in run.optimizer.param_groups:  # the schedule's rate: by the step, or by the clock
-                group["lr"] = run.budget.lr(by_steps=lr_at(run.step, run.schedule, args))
+            for group in run.optimizer.param_groups:  # the schedule's rate by the step (--time_budget: by the clock)
+                group["lr"] = lr_at(run.step, run.schedule, args) if not args.time_budget else run.budget.lr()
             micro_batches = [run.train_set[w] for w in windows.tensor_split(args.grad_accum)]
             step_tokens = step_windows * args.block_size  # on all ranks, known without asking them
             loss_sum, tokens = train_step(run.ddp, run.optimizer, run.scaler, micro_batches, run.amp_context,
@@ -831,9 +831,9 @@ class TimeBudget:
         self.fraction = (self.spent - self.budget_from) / max(self.args.time_budget - self.budget_from, 1e-9)
         return self.spent >= self.args.time_budget
 
-    def lr(self, by_steps):
-        """The rate by the fraction of the budget spent; without a budget, `by_steps` (the step schedule's)."""
-        return lr_at_fraction(self.fraction, self.args) if self.args.time_budget else by_steps
+    def lr(self):
+        """The rate by the fraction of the budget spent: lr_at's shape along the seconds instead of the steps."""
+        return lr_at_fraction(self.fraction, self.args)
 
     def where(self, step):
         """`120 (at 231/540 s)`: a run under --time_budget alone has no last step to count to."""
