@@ -178,6 +178,14 @@ class TwoHosts:
         stats = link.get("stats64", link.get("stats"))
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
+    def shape(self, rate):
+        """Both ends of the veth limited to `rate` ("100mbit") by a token bucket; None: unlimited again."""
+        for ns in self.ns:
+            sh(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", IFACE, "root"], check=False)
+            if rate:
+                sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFACE, "root", "tbf", "rate", rate,
+                    "burst", "64kb", "latency", "50ms"])
+
     def teardown(self):
         """Kill whatever still runs in the namespaces, then delete them (the veth goes with them)."""
         reap(namespaces=self.created)
