@@ -317,6 +317,15 @@ c = torch.load('whole.pt', weights_only=True); Transformer(**c['config']).load_s
 print('ok: whole.pt loads into ddp_transformer.Transformer')"
 }
 
+extra_mode bandwidth "ddp_bandwidth.py: all_reduce, all_gather, reduce_scatter timed at 4 KiB to 256 MiB; the link, a verdict"
+run_bandwidth() {
+    # a probe, not a training: the check is one result per op and size, each correct and above 0
+    "${TORCHRUN[@]}" --standalone --nproc-per-node="$N" "$HERE/ddp_bandwidth.py" --metrics m.json \
+        && check_metrics m.json "m['world_size'] == $N" "m['results_correct'] is True" \
+            "len(m['results']) == 3 * sum(r['op'] == 'all_reduce' for r in m['results']) >= 3" \
+            "min(r['busbw_GBps'] for r in m['results']) > 0" "m['bucket_busbw_GBps'] > 0"
+}
+
 # ---------------------------------------------------------------- modes beyond one machine (root)
 # two "hosts" on one machine: network namespaces joined by a veth pair (root only)
 NETNS=(ddprun$$h0 ddprun$$h1)

@@ -133,7 +133,7 @@ def parts(name):
 LESSON_MOST = {"ddp_gpus.py": 230, "ddp_gpus_torchrun.py": 255, "ddp_main.py": 560, "ddp_main_torchrun.py": 565,
                "ddp_transformer.py": 760, "fsdp_transformer.py": 860, "ddp_uneven.py": 450, "ddp_comm_hooks.py": 450,
                "ddp_unused.py": 500, "ddp_desync.py": 400, "dp_baseline.py": 450, "ddp_template.py": 340,
-               "ddp_slow.py": 450}
+               "ddp_slow.py": 450, "ddp_bandwidth.py": 300}
 # The calls a learner comes for: each stays in the lesson, never in the part beyond it
 DDP_CALLS = {"init_process_group", "destroy_process_group", "DistributedSampler", "set_epoch", "DistributedDataParallel",
              "fully_shard", "no_sync", "register_comm_hook", "Join", "ZeroRedundancyOptimizer"}

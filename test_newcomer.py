@@ -33,10 +33,11 @@ TAKES = {
     "ddp_unused.py": COMMON,
     "ddp_desync.py": COMMON | {"--checkpoint", "--resume"},
     "ddp_slow.py": COMMON - {"--epochs"},  # it trains --max_steps
+    "ddp_bandwidth.py": {"--device", "--backend", "--metrics", "--timeout"},  # a probe: it trains nothing
     "dp_baseline.py": COMMON | {"--nprocs"},
 }
 TORCHRUN_SCRIPTS = ("ddp_gpus_torchrun.py", "ddp_template.py", "ddp_main_torchrun.py", "ddp_transformer.py", "ddp_uneven.py",
-                    "ddp_comm_hooks.py", "ddp_unused.py", "ddp_desync.py", "fsdp_transformer.py")
+                    "ddp_comm_hooks.py", "ddp_unused.py", "ddp_desync.py", "fsdp_transformer.py", "ddp_bandwidth.py")
 
 
 def load(name):
@@ -90,8 +91,9 @@ def test_a_mistyped_flag_is_one_line_and_no_abbreviation_is_guessed(name, capsys
     abbreviations are off, and any mistake argparse finds is one `error:` line naming --help, exit 2."""
     monkeypatch.delenv("RANK", raising=False)
     module = load(name)
+    typed = "--warmup" if name == "ddp_bandwidth.py" else "--seed"  # a probe draws nothing: no --seed
     for argv, said in ((["--batch", "8"], "unrecognized arguments: --batch 8"),
-                       (["--seed", "x"], "invalid int value: 'x'")):
+                       ([typed, "x"], "invalid int value: 'x'")):
         with pytest.raises(SystemExit) as exit_:
             module.parse_args(argv)
         err = capsys.readouterr().err

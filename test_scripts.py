@@ -47,7 +47,7 @@ RUN_SH_MODES = ["minimal", "spawn", "torchrun", "launch", "manual", "nodes", "re
                 "main", "main-torchrun", "transformer"]
 # run only when named: bench in test_dp_bench.py, the others in slow tests below
 RUN_SH_EXTRA = ["bench", "torchrun-single", "template", "main-manual", "main-resume", "transformer-accum", "transformer-toy", "uneven", "uneven-zero", "comm-hooks",
-                "desync", "unused", "slow", "fsdp", "netns", "netns-elastic"]
+                "desync", "unused", "slow", "fsdp", "bandwidth", "netns", "netns-elastic"]
 
 
 # ---------------------------------------------------------------- run.sh, once per session (conftest.py's run_sh)
