@@ -199,18 +199,23 @@ def busbw_at(results, nbytes):
     return points[-1][1], points[-1][0]
 
 
-def verdict(busbw, at, link, n):
+def verdict(busbw, at, link, n, device):
     """One line: all_reduce's busbw at DDP's bucket size against the speed the system reports for the link."""
     if n == 1:
         return ("a world of one: nothing crosses a link (busbw is 0 by definition: the one rank already holds the "
                 "result); launch 2 or more processes, one per machine to measure the network between them")
     size = "25 MiB, DDP's bucket" if at == BUCKET else f"{human(at)}, the largest measured (DDP's bucket is 25 MiB)"
     said = f"all_reduce busbw {busbw:.4g} GB/s = {busbw * 8000:.4g} Mbit/s at {size}"
+    if link["how"].startswith("loopback"):  # the data never reaches a network interface
+        way = "memory copies through the kernel, not a network" if device.type == "cpu" else \
+            "the devices' own links (NVLink, PCIe)"
+        return f"{said}; the peers share this machine: {way}"
     if link["speed"] is None:
-        kind = "loopback: the peers share this machine, so this is its memory-copy rate, not a network's" \
-            if link["how"].startswith("loopback") else "no speed to compare with"
-        return f"{said}; {link['interface']} reports no speed ({kind})"
+        return f"{said}; {link['interface']} reports no speed to compare with"
     share = busbw * 8000 / link["speed"]
+    if share > 1.15:  # beyond what the interface can carry: the data went another way
+        return (f"{said}: {share:.0%} of the {link['speed']} Mbit/s {link['interface']} reports, more than it can "
+                "carry: the backend sends another way (NCCL over InfiniBand or NVLink: NCCL_DEBUG=INFO says which)")
     if share >= 0.7:
         return (f"{said}: {share:.0%} of the {link['speed']} Mbit/s {link['interface']} reports; the link is the limit "
                 f"(fewer bytes go faster: ddp_comm_hooks.py)")
@@ -223,7 +228,8 @@ def prediction(busbw, args, n):
     """One line: one step's gradients all-reduced at `busbw`: bytes x 2(n-1)/n / busbw (= bytes / algbw)."""
     nbytes = args.bytes if args.bytes else args.params * torch.empty((), dtype=args.dtype).element_size()
     seconds = nbytes * BUS_FACTOR["all_reduce"](n) / (busbw * 1e9) if n > 1 else 0.0
-    what = f"{args.params:,} parameters x {nbytes // args.params} bytes = {human(nbytes)}" if args.params else human(nbytes)
+    what = f"{args.params:,} parameters x {nbytes // args.params} bytes = {human(nbytes)}" if args.params else \
+        human(nbytes)
     return seconds, (f"one step's gradients, {what}, all-reduced at busbw {busbw:.4g} GB/s: bytes x 2(n-1)/n / busbw "
                      f"= {duration(seconds)} a step, where the backward hides none of it")
 
@@ -239,7 +245,7 @@ def probe_and_report(device, args):
     links = every_ranks_link(dist.get_backend())
     results, wrong = probe(sizes, args, device)
     busbw, at = busbw_at(results, BUCKET)
-    print0(f"verdict: {verdict(busbw, at, links[0], n)}")
+    print0(f"verdict: {verdict(busbw, at, links[0], n, device)}")
     seconds, said = prediction(busbw, args, n) if args.params or args.bytes else (None, None)
     if said:
         print0(f"prediction: {said}")
@@ -268,8 +274,8 @@ def report(results, links, busbw, at, predicted, ok, elapsed, device, args):
     if dist.get_rank() == 0 and args.metrics:
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {device.type} "
-           f"({summary['backend']}) | {links[0]['interface'] or 'no link'} | all_reduce busbw {busbw:.4g} GB/s at {human(at)} | "
-           f"results {'correct' if ok else 'WRONG'}")
+           f"({summary['backend']}) | {links[0]['interface'] or 'no link'} | all_reduce busbw {busbw:.4g} GB/s at "
+           f"{human(at)} | results {'correct' if ok else 'WRONG'}")
 
 
 @record  # under torchrun, an uncaught exception's traceback is its report's root cause

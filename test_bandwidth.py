@@ -19,8 +19,8 @@ from test_multihost import ADDRS, IFACE, host_env, hosts, run_on_hosts  # noqa: 
 
 SCRIPT = ROOT / "ddp_bandwidth.py"
 OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"]
-ROW = re.compile(r"^(all_reduce|all_gather_into_tensor|reduce_scatter_tensor) +(\d+) +([\d.]+ [mu]?s) +(\S+) +(\S+) +(\d+)$",
-                 re.M)
+ROW = re.compile(r"^(all_reduce|all_gather_into_tensor|reduce_scatter_tensor) +(\d+) +([\d.]+ [mu]?s) +(\S+) +(\S+) "
+                 r"+(\d+)$", re.M)
 
 
 def load():
@@ -96,11 +96,30 @@ def test_the_verdict_reads_the_largest_size_below_the_bucket_and_the_prediction_
     assert m["bucket_bytes"] == 256 * 1024 and m["bucket_busbw_GBps"] == largest["busbw_GBps"], m
     verdict = re.findall(r"^verdict: all_reduce busbw (\S+) GB/s = .* at 256 KiB, the largest measured .*$", out, re.M)
     assert len(verdict) == 1 and float(verdict[0]) == pytest.approx(largest["busbw_GBps"], rel=1e-3), loopback
-    assert "lo reports no speed (loopback" in out, loopback
+    assert "; the peers share this machine: memory copies through the kernel, not a network" in out, loopback
     # 10^6 float32 gradients, 2(n-1)/n = 1 at 2 ranks: 4 MB / busbw
     assert m["predicted_allreduce_s"] == pytest.approx(4e6 / (largest["busbw_GBps"] * 1e9), rel=1e-12), m
     assert re.search(r"^prediction: one step's gradients, 1,000,000 parameters x 4 bytes = 3.815 MiB, all-reduced at "
                      r"busbw \S+ GB/s: bytes x 2\(n-1\)/n / busbw = \S+ [mu]?s a step", out, re.M), loopback
+
+
+@pytest.mark.parametrize("busbw,link,device,said", [
+    (0.1, {"interface": "lo", "how": "loopback: its peers share this machine", "speed": None}, "cpu",
+     "; the peers share this machine: memory copies through the kernel, not a network"),
+    (90, {"interface": "lo", "how": "loopback: its peers share this machine", "speed": None}, "cuda",
+     "; the peers share this machine: the devices' own links (NVLink, PCIe)"),
+    (1.0, {"interface": "eth0", "how": "set by NCCL_SOCKET_IFNAME", "speed": 10000}, "cuda",
+     ": 80% of the 10000 Mbit/s eth0 reports; the link is the limit"),
+    (0.1, {"interface": "eth0", "how": "set by GLOO_SOCKET_IFNAME", "speed": 10000}, "cpu",
+     ": 8.0% of the 10000 Mbit/s eth0 reports; either the link carries less than it reports"),
+    (25.0, {"interface": "eth0", "how": "the route to the peers on other machines", "speed": 100000}, "cuda",
+     ": 200% of the 100000 Mbit/s eth0 reports, more than it can carry: the backend sends another way"),
+    (0.1, {"interface": "ib0", "how": "set by NCCL_SOCKET_IFNAME", "speed": None}, "cuda",
+     "; ib0 reports no speed to compare with"),
+])
+def test_the_verdict_compares_busbw_with_what_the_link_reports(busbw, link, device, said):
+    line = bandwidth.verdict(busbw, bandwidth.BUCKET, link, 2, torch.device(device))
+    assert line.startswith(f"all_reduce busbw {busbw:.4g} GB/s = {busbw * 8000:.4g} Mbit/s at 25 MiB, DDP's bucket{said}"), line
 
 
 def test_interpolation_at_the_bucket_between_two_sizes():
