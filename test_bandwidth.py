@@ -1,9 +1,10 @@
 """ddp_bandwidth.py (issue 53): the collectives' time, algbw and busbw per size, the link, the verdict.
 
-Default tier: one torchrun launch on loopback (2 ranks, gloo, 4 KiB to 256 KiB) read by many tests, the
-bad input in process and once from the command line, a world of one in process. Slow tier (root): two
-network namespaces joined by a veth shaped by a token bucket to 200 and to 100 Mbit/s: the busbw it finds
-is the shaped rate, over the interface it names; plain `python` as a world of one; `bash run.sh bandwidth`.
+Default tier (about 8 s): one torchrun launch on loopback (2 ranks, gloo, 4 KiB to 256 KiB) read by many
+tests, the bad input and a world of one in process. Slow tier: two network namespaces (root) joined by a
+veth shaped by a token bucket to 200 and to 100 Mbit/s: the busbw it finds is the shaped rate, over the
+interface it names; the bad input from the command line; plain `python` as a world of one; `bash run.sh
+bandwidth`.
 """
 import importlib.util
 import math
@@ -153,6 +154,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, said, monkeypatch, capsys):
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
 
 
+@pytest.mark.slow  # 3 s of torch's import; the default tier refuses each bad input in process, through the same calls
 def test_bad_input_from_the_command_line(tmp_path):
     r = run_bounded([sys.executable, SCRIPT, "--max_bytes", "2K"], tmp_path, timeout=60, check=False)
     assert r.returncode == 2 and r.stdout == "", r
