@@ -577,21 +577,18 @@ FIXES = {"loader": "DataLoader workers that read ahead (num_workers, persistent_
          "none": "nothing dominates: the step is compute"}
 
 
-def diagnose(rows, find_unused, link=None):
+def diagnose(rows, find_unused, link):
     """Every cause over its threshold, the largest share of the step first, from every rank's row (5 parts in ms,
     steps, micro-batches, reads, full backwards, own ms, the waits of a step's backwards but its longest, threads
-    fight) and the link (link_probe). A rank that is late makes the others wait, whatever made it late and however
-    its own time is split, so a straggler is told by the others' comm waits, and the other signals are read on the
-    rank that waits least, or on every rank, where no straggler's wait swells them."""
-    link = link or {"machines": 1, "wire_ms": None}
+    fight) and the link (link_probe). A late rank makes the others wait, whatever made it late and wherever its
+    own time went: a straggler is told by the others' waits, the other signals where no straggler swells them."""
     steps = [max(r[5], 1) for r in rows]
     per_step = [[r[i] / s for i in range(5)] for r, s in zip(rows, steps)]
     step_ms = [sum(p) for p in per_step]
     step = max(sum(step_ms) / len(step_ms), 1e-9)
     share = [[x / max(t, 1e-9) for x in p] for p, t in zip(per_step, step_ms)]
     mean = [sum(s[i] for s in share) / len(share) for i in range(5)]
-    busy = [p[0] + p[1] for p in per_step]  # data + compute: the work a rank does before it must wait
-    waits = [p[2] for p in per_step]
+    busy, waits = [p[0] + p[1] for p in per_step], [p[2] for p in per_step]  # busy: the work before the wait
     least = waits.index(min(waits))  # the rank the others wait for waits least
     late = min([w for rank, w in enumerate(waits) if rank != least], default=waits[least]) - waits[least]
     longest = min((r[2] - r[10]) / s for r, s in zip(rows, steps))  # a step's longest wait: its last all-reduce
@@ -602,7 +599,7 @@ def diagnose(rows, find_unused, link=None):
         found["threads"] = mean[1] / 2  # threads that fight take about twice the compute: half of it is the fight
     if late > 0.25 * step:
         found["straggler"] = late / step  # the others wait for it in the all-reduce
-    if min(s[0] for s in share) > 0.2:
+    if min(s[0] for s in share) > 0.15:
         found["loader"] = min(s[0] for s in share)
     if micro > 1 and max(extra) > 0.04:  # several backwards a step wait for an all-reduce, not only the last
         found["accumulation"] = min(extra)  # its cost: those all-reduces on the rank that waits least
