@@ -1,12 +1,13 @@
-"""When DDP is slower than it should be: one cause planted at a time, a diagnosis that names it, the fix.
+"""When DDP is slower than it should be: causes planted, a diagnosis that names each, the fixes.
 
 Scenario: an MLP (SGD) learns a 10-class problem on 65536 samples split by a DistributedSampler, for
---max_steps optimizer steps. `--cause NAME` plants one well-known cause of slow DDP; `--fix` trains
-the same with its fix:
+--max_steps optimizer steps. `--cause NAME` plants one well-known cause of slow DDP, `--cause A,B` several
+at once; `--fix` trains the same with every planted cause's fix:
 
   loader        each sample is read in the training process (num_workers=0; a per-sample wait, as a
                 file read gives): the step waits for its data. Fix: 4 worker processes that prefetch,
-                persistent workers, pinned memory on GPUs.
+                persistent workers, pinned memory on GPUs (more workers than 2 cores: they wait, not
+                compute; torch warns all the same, and the script says so).
   straggler     the last rank's device runs at a quarter of the others' speed (a GPU shared with other
                 jobs, throttled, or older); every rank waits for it in the all-reduce. Fix: balance
                 the work by speed (that rank gets 2/5 of a batch, the other 8/5), each rank's loss
@@ -22,12 +23,17 @@ the same with its fix:
                 should hide behind. Fix: a per-process batch of 1024 (or accumulation with no_sync).
   find-unused   find_unused_parameters=True where every parameter gets a gradient: a graph traversal
                 each forward for nothing. Fix: leave it off (or static_graph=True).
+  side-job      rank 0 sends dashboard statistics (.item() reads, a 50 ms request) after every micro-batch,
+                on the training thread, wrapped in clock.reading(): every other rank waits for it; the
+                verdict names it a straggler (rank 0). Fix: a row a step, read and sent by a thread of its own.
 
 The diagnosis (StepClock, beyond the lesson; docs/recipes.md has it as one block for any DDP script)
 times each step on every rank: waiting for data, compute (forward and backward), waiting for the other
 ranks (the all-reduce not hidden behind the backward), the optimizer, and reads of the device on the
-host. Every --log_every steps rank 0 prints one table and one verdict line that names the dominant
-cause by its --cause name (a straggler by its rank), or `none`. On GPUs it times with events and
+host. Every --log_every steps rank 0 prints one table and one verdict line that names every cause over
+its threshold by its --cause name (a straggler by its rank), the largest share of the step first, or
+`none`; `network` where the ranks span machines and wait what the gradients' all-reduce needs at the bus
+bandwidth a short probe measured at start (or --busbw gave). On GPUs it times with events and
 synchronizes only when it reports. `--profile DIR` writes a torch.profiler trace per rank for Perfetto.
 
 Launch:
@@ -35,6 +41,8 @@ Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_slow.py --cause accumulation --fix
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --cause straggler
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --cause loader --fix
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --cause loader,side-job,accumulation
+    torchrun --nnodes=2 --node-rank=R --nproc-per-node=1 --master-addr=HOST0 ddp_slow.py --device cpu   # network?
     torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --profile traces   # then ui.perfetto.dev
     python ddp_slow.py --device cpu                     # a one-process world (nothing to wait for)
 
@@ -250,10 +258,10 @@ def build(device, args):
 
 
 class Dashboard:
-    """side-job: rank 0 sends statistics to a dashboard (a request to a metrics server: 30 ms a row, waited). Planted:
+    """side-job: rank 0 sends statistics to a dashboard (a request to a metrics server: 50 ms a row, waited). Planted:
     a row after every micro-batch, its values read (.item()) and sent on the training thread. Fixed: a row a step, the
     step's sums handed to a thread of its own, which reads and sends them while the training goes on."""
-    SEND_S = 0.030
+    SEND_S = 0.050
 
     def __init__(self, background):
         self.rows, self.queue = 0, queue.SimpleQueue()
