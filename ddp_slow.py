@@ -369,8 +369,8 @@ def report(losses, seconds, in_sync, verdict, batches_per_epoch, args):
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {args.device} "
            f"({summary['backend']}) | torch {torch.__version__} | --cause {args.cause}{' --fix' if args.fix else ''}"
-           f" | {step_ms:.1f} ms a step (median after {WARMUP}) | verdict {verdict.get('verdict')}"
-           + "".join(f" (then {cause})" for cause in verdict.get("causes", [])[1:]) + " | "
+           f" | {step_ms:.1f} ms a step (median after {WARMUP}) | verdict "
+           f"{', then '.join(verdict.get('causes') or [str(verdict.get('verdict'))])} | "
            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 

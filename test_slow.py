@@ -88,7 +88,7 @@ def test_two_causes_at_once_are_both_named_the_larger_share_first(straggler):
     named = re.findall(r"(?:^verdict: |; then )([a-z-]+)(?: \(rank \d\))?: [^[]*\[(\d+)% of the step\]", verdict_lines(r.stdout)[-1])
     assert [c for c, _ in named] == m["causes"], verdict_lines(r.stdout)[-1]
     assert [int(p) for _, p in named] == [round(100 * x) for x in shares], verdict_lines(r.stdout)[-1]
-    assert f"(then {m['causes'][1]}) |" in r.stdout.splitlines()[-1], r
+    assert f"| verdict {m['causes'][0]}, then {m['causes'][1]} |" in r.stdout.splitlines()[-1], r
     # the probe said what it measured; on one machine the all-reduce crosses no network
     probe = re.search(r"^step clock: 2 ranks on 1 machine\(s\) \| all-reduce busbw ([\d.e+-]+) GB/s \(probed: 3 "
                       r"all-reduces of 1.34 MB, [\d.]+ ms each\)", r.stdout, re.M)
