@@ -506,7 +506,8 @@ class StepClock:
             self.window[10] += sum(sum(w) - max(w, default=0.0) for w in waits.values())
             self.pending = []
         self.window[9] += 1000 * (time.perf_counter() - t0)
-        self.total = [a + b for a, b in zip(self.total, self.window)]
+        if self.steps > self.skip:  # a report within the warm-up (N under skip) is left out of the whole run's
+            self.total = [a + b for a, b in zip(self.total, self.window)]
         rows = self._gather(self.total if final else self.window)
         self.window = [0.0] * 11
         found = diagnose(rows, self.find_unused, self.link)
