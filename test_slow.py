@@ -1,9 +1,9 @@
 """ddp_slow.py (issues 45, 53): each planted cause of slow DDP named by the step clock, and its fix.
 
 Launched as users launch it (torchrun, 2 processes, CPU, gloo) and judged by what it printed and
-wrote. The default tier launches twice: a planted loader and straggler under --profile (both named, the
+wrote. The default tier launches twice: under torchrun a planted loader and straggler under --profile (both named, the
 larger share first, the straggler as rank 1, the table has a row per rank, the loss falls, the replicas
-agree, a chrome trace per rank holds the all-reduce), and issue 53's user's case, a side job on rank 0
+agree, a chrome trace per rank holds the all-reduce), and by hand issue 53's user's case, a side job on rank 0
 (.item() reads after every micro-batch, wrapped in clock.reading()) with accumulation (the straggler named
 as rank 0, first, accumulation after it); bad input is checked in this process
 (check_args, milliseconds) and once through the real command line. The slow tier plants every cause
@@ -16,8 +16,10 @@ compared with the script's copy here; test_recipes.py runs it pasted.
 import ast
 import json
 import re
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
 
 import ddp_slow
-from conftest import ROOT, cpu_env, read_metrics, run_bounded, torchrun_cmd
+from conftest import ROOT, Result, cpu_env, kill_group, read_metrics, run_bounded, torchrun_cmd
 from test_multihost import ADDRS, IFACE, host_env, hosts, run_on_hosts  # noqa: F401 (hosts: a fixture)
 
 CAUSES = [c for c in ddp_slow.CAUSES if c != "none"]
@@ -42,6 +44,39 @@ def launch(work, cause, *extra, fix=False, steps=20, timeout=180):
            "--cause", cause, "--max_steps", steps, "--log_every", 10, "--metrics", "m.json",
            *(["--fix"] if fix else []), *extra]
     r = run_bounded(cmd, work, timeout=timeout)
+    r.metrics = read_metrics(work / "m.json")
+    return r
+
+
+def launch_by_hand(work, cause, *extra, steps, timeout=120):
+    """The same, as a user's own launcher starts it (the contract's hand-made launch: RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT per process): 2 s less than torchrun's agent, for the default tier's budget."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, ROOT / "ddp_slow.py", "--device", "cpu", "--cause", cause, "--max_steps", steps,
+           "--log_every", 10, "--metrics", "m.json", *extra]
+    files = [(open(work / f"rank{rank}.out", "w+"), open(work / f"rank{rank}.err", "w+")) for rank in range(2)]
+    procs = [subprocess.Popen([str(c) for c in cmd], cwd=work, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                              start_new_session=True, env=cpu_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2,
+                                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank, (out, err) in enumerate(files)]
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"timed out after {timeout} s: {cmd}")
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    texts = []  # rank 0's stdout and stderr, rank 1's
+    for f in (f for pair in files for f in pair):
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    r = Result(cmd, max(proc.returncode for proc in procs), texts[0], texts[1] + texts[3])
+    assert r.returncode == 0, r
     r.metrics = read_metrics(work / "m.json")
     return r
 
@@ -71,7 +106,7 @@ def side_job(tmp_path_factory):
     """The second: issue 53's user's case, a side job on rank 0 after every micro-batch, with accumulation; a busbw
     given (ddp_bandwidth.py's figure) in place of the probe."""
     work = tmp_path_factory.mktemp("side_job")
-    return launch(work, "side-job,accumulation", "--batch_size", 16, "--busbw", 0.5, "--log_every", 4, steps=8)
+    return launch_by_hand(work, "side-job,accumulation", "--batch_size", 16, "--busbw", 0.5, "--log_every", 4, steps=8)
 
 
 def verdict_lines(out):
