@@ -1,12 +1,13 @@
-"""When DDP is slower than it should be: one cause planted at a time, a diagnosis that names it, the fix.
+"""When DDP is slower than it should be: causes planted, a diagnosis that names each, the fixes.
 
 Scenario: an MLP (SGD) learns a 10-class problem on 65536 samples split by a DistributedSampler, for
---max_steps optimizer steps. `--cause NAME` plants one well-known cause of slow DDP; `--fix` trains
-the same with its fix:
+--max_steps optimizer steps. `--cause NAME` plants one well-known cause of slow DDP, `--cause A,B` several
+at once; `--fix` trains the same with every planted cause's fix:
 
   loader        each sample is read in the training process (num_workers=0; a per-sample wait, as a
                 file read gives): the step waits for its data. Fix: 4 worker processes that prefetch,
-                persistent workers, pinned memory on GPUs.
+                persistent workers, pinned memory on GPUs (more workers than 2 cores: they wait, not
+                compute; torch warns all the same, and the script says so).
   straggler     the last rank's device runs at a quarter of the others' speed (a GPU shared with other
                 jobs, throttled, or older); every rank waits for it in the all-reduce. Fix: balance
                 the work by speed (that rank gets 2/5 of a batch, the other 8/5), each rank's loss
@@ -22,12 +23,17 @@ the same with its fix:
                 should hide behind. Fix: a per-process batch of 1024 (or accumulation with no_sync).
   find-unused   find_unused_parameters=True where every parameter gets a gradient: a graph traversal
                 each forward for nothing. Fix: leave it off (or static_graph=True).
+  side-job      rank 0 sends dashboard statistics (.item() reads, a 50 ms request) after every micro-batch,
+                on the training thread, wrapped in clock.reading(): every other rank waits for it; the
+                verdict names it a straggler (rank 0). Fix: a row a step, read and sent by a thread of its own.
 
 The diagnosis (StepClock, beyond the lesson; docs/recipes.md has it as one block for any DDP script)
 times each step on every rank: waiting for data, compute (forward and backward), waiting for the other
 ranks (the all-reduce not hidden behind the backward), the optimizer, and reads of the device on the
-host. Every --log_every steps rank 0 prints one table and one verdict line that names the dominant
-cause by its --cause name (a straggler by its rank), or `none`. On GPUs it times with events and
+host. Every --log_every steps rank 0 prints one table and one verdict line that names every cause over
+its threshold by its --cause name (a straggler by its rank), the largest share of the step first, or
+`none`; `network` where the ranks span machines and wait what the gradients' all-reduce needs at the bus
+bandwidth a short probe measured at start (or --busbw gave). On GPUs it times with events and
 synchronizes only when it reports. `--profile DIR` writes a torch.profiler trace per rank for Perfetto.
 
 Launch:
@@ -35,6 +41,8 @@ Launch:
     torchrun --standalone --nproc-per-node=gpu ddp_slow.py --cause accumulation --fix
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --cause straggler
     CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --cause loader --fix
+    CUDA_VISIBLE_DEVICES= torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --cause loader,side-job,accumulation
+    torchrun --nnodes=2 --node-rank=R --nproc-per-node=1 --master-addr=HOST0 ddp_slow.py --device cpu   # network?
     torchrun --standalone --nproc-per-node=2 ddp_slow.py --device cpu --profile traces   # then ui.perfetto.dev
     python ddp_slow.py --device cpu                     # a one-process world (nothing to wait for)
 
@@ -48,8 +56,11 @@ import argparse
 import contextlib
 import difflib
 import os
+import queue
+import socket
 import statistics
 import sys
+import threading
 import time
 import types
 from datetime import timedelta
@@ -64,16 +75,17 @@ from torch.utils.data import DataLoader, Dataset, default_convert
 from torch.utils.data.distributed import DistributedSampler
 
 FEATURES, CLASSES = 128, 10
-CAUSES = ("none", "loader", "straggler", "accumulation", "host-sync", "threads", "small-batch", "find-unused")
+CAUSES = ("none", "loader", "straggler", "accumulation", "host-sync", "threads", "small-batch", "find-unused",
+          "side-job")
 WARMUP = 5  # steps left out of step_ms and of the diagnosis: the first steps build caches and workers
 
 
 # ---------------------------------------------------------------- arguments
 def parse_args(argv=None):
     p = Arguments(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cause", default="none", metavar="NAME",
-                   help=f"the cause of slowness to plant: {', '.join(CAUSES)}")
-    p.add_argument("--fix", action="store_true", help="train the same with the cause's fix")
+    p.add_argument("--cause", default="none", metavar="NAME[,NAME]",
+                   help=f"the causes of slowness to plant, one or several (loader,straggler): {', '.join(CAUSES)}")
+    p.add_argument("--fix", action="store_true", help="train the same with every planted cause's fix")
     p.add_argument("--max_steps", type=int, default=60, metavar="N", help="optimizer steps to train")
     p.add_argument("--batch_size", "--batch-size", "-b", type=int, default=1024, metavar="N",
                    help="samples per micro-batch, per process (--cause small-batch: 16 unless fixed)")
@@ -86,6 +98,9 @@ def parse_args(argv=None):
                    help="print the loss, the step-time table and the verdict every N steps")
     p.add_argument("--diagnosis", choices=("on", "off"), default="on",
                    help="off: no step clock (to measure what the clock costs)")
+    p.add_argument("--busbw", type=float, default=None, metavar="GBPS",
+                   help="the all-reduce's bus bandwidth in GB/s (10^9 bytes a second; ddp_bandwidth.py's busbw_GBps) "
+                        "for the network verdict (default: a short all-reduce probe at start)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace per rank here (DIR/rank<R>.json; an existing folder)")
     p.add_argument("--device", default="auto", metavar="auto|cpu|TYPE",
@@ -103,18 +118,31 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Validate the arguments in every process, before it joins the group."""
-    if args.cause not in CAUSES:
-        near = difflib.get_close_matches(args.cause, CAUSES, n=1)
-        fail(f"--cause {args.cause!r} is not a cause this script plants",
-             (f"did you mean {near[0]}? " if near else "") + f"one of: {', '.join(CAUSES)}")
-    check_positive(args, "max_steps", "batch_size", "lr", "samples", "width", "log_every", "timeout")
+    args.causes = planted_causes(args.cause)
+    check_positive(args, "max_steps", "batch_size", "lr", "samples", "width", "log_every", "timeout", "busbw")
     check_folders(args.metrics)
     check_profile_folder(args)
     resolve_device(args)
-    if args.cause == "small-batch" and not args.fix:
+    if "small-batch" in args.causes and not args.fix:
         args.batch_size = 16  # the planted cause: a batch too small to hide the all-reduce behind
-    args.micro = 4 if args.cause == "accumulation" else 1  # micro-batches per optimizer step
+    args.micro = 4 if "accumulation" in args.causes else 1  # micro-batches per optimizer step
     return args
+
+
+def planted_causes(text):
+    """--cause A,B: the names to plant, each a cause this script knows, each once (none: nothing planted)."""
+    names = text.split(",")
+    for name in names:
+        if name not in CAUSES:
+            near = difflib.get_close_matches(name, CAUSES, n=1)
+            fail(f"--cause {name!r} is not a cause this script plants",
+                 (f"did you mean {near[0]}? " if near else "") + f"one of: {', '.join(CAUSES)}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        fail(f"--cause {text!r} names {', '.join(twice)} twice", "name each cause once")
+    if "none" in names and len(names) > 1:
+        fail(f"--cause {text!r} plants none and other causes", "drop none, or plant none alone")
+    return tuple(name for name in names if name != "none")
 
 
 # ---------------------------------------------------------------- process group
@@ -123,7 +151,7 @@ def setup(args):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     procs_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     use_cpu_threads(procs_here)  # the cores split between this machine's processes
-    if args.cause == "threads" and not args.fix:
+    if "threads" in args.causes and not args.fix:
         torch.set_num_threads(os.cpu_count())  # the planted cause: every process takes every core
     if args.device != "cpu":  # cuda, or another accelerator torch reports (xpu, hpu, npu, ...)
         device = torch.device(args.device, int(os.environ["LOCAL_RANK"]))
@@ -167,7 +195,7 @@ def batch_size_of(rank, args):
     """A rank's batch: --batch_size, except under a fixed straggler, where the work is split by speed: the last
     rank, 4 times slower, gets a quarter of what each other rank gets (the same total)."""
     world = dist.get_world_size()
-    if args.cause != "straggler" or not args.fix or world == 1:
+    if "straggler" not in args.causes or not args.fix or world == 1:
         return args.batch_size
     slow = world * args.batch_size // (4 * world - 3)
     return slow if rank == world - 1 else (world * args.batch_size - slow) // (world - 1)
@@ -182,16 +210,20 @@ def slower_device(forward_s, args):
     """straggler: the last rank's device runs at a quarter of the others' speed. Before its backward it waits
     3 times what its forward and backward take (3 x the forward: the backward takes about twice the forward);
     a wait, as for a slower GPU, so it takes no core from the others."""
-    if args.cause == "straggler" and dist.get_rank() == dist.get_world_size() - 1:
+    if "straggler" in args.causes and dist.get_rank() == dist.get_world_size() - 1:
         time.sleep(3 * 3 * forward_s)
 
 
 def make_loader(device, args):
     """This rank's shard of the samples. loader: read in this process (planted), or by 4 workers that read
     ahead while the step computes (fixed)."""
-    dataset = Samples(args.samples, args.seed, read_s=60e-6 if args.cause == "loader" else 0.0)
+    dataset = Samples(args.samples, args.seed, read_s=60e-6 if "loader" in args.causes else 0.0)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
-    workers = 4 if args.cause == "loader" and args.fix else 0
+    workers = 4 if "loader" in args.causes and args.fix else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if workers > cores:  # torch warns (twice a process): here the workers wait for reads, they need no core each
+        print0(f"loader: {workers} workers a process on {plural(cores, 'core')}: they wait for reads, not for the "
+               "cores (torch's UserWarning below says 'excessive worker creation')")
     return DataLoader(dataset, batch_size=batch_size_of(dist.get_rank(), args), sampler=sampler, drop_last=True,
                       collate_fn=default_convert,  # __getitems__ gives whole batches
                       num_workers=workers, persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
@@ -219,14 +251,45 @@ def build(device, args):
     module = make_model(args.width).to(device)
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
     model = DDP(module, device_ids=[device.index] if device.type != "cpu" else None,
-                find_unused_parameters=args.cause == "find-unused" and not args.fix,
+                find_unused_parameters="find-unused" in args.causes and not args.fix,
                 # torch 2.14, 2.15: SIGSEGV in DDP's constructor when its group is a DETAIL-checked gloo group
                 process_group=ddp_group(args.timeout))
     return model, optimizer
 
 
+class Dashboard:
+    """side-job: rank 0 sends statistics to a dashboard (a request to a metrics server: 50 ms a row, waited). Planted:
+    a row after every micro-batch, its values read (.item()) and sent on the training thread. Fixed: a row a step, the
+    step's sums handed to a thread of its own, which reads and sends them while the training goes on."""
+    SEND_S = 0.050
+
+    def __init__(self, background):
+        self.rows, self.queue = 0, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._drain, daemon=True) if background else None
+        if self.thread:
+            self.thread.start()
+
+    def write(self, *values):
+        """One row, on the thread that calls it: read on the host (a GPU's host waits for the device), then sent."""
+        row = [v.tolist() for v in values]
+        time.sleep(self.SEND_S)
+        self.rows += 1
+        return row
+
+    def _drain(self):
+        while (values := self.queue.get()) is not None:
+            self.write(*values)
+
+    def close(self):
+        """Every queued row sent; the rows sent."""
+        if self.thread:
+            self.queue.put(None)
+            self.thread.join()
+        return self.rows
+
+
 # ---------------------------------------------------------------- train
-def train_step(model, optimizer, data, clock, device, args):
+def train_step(model, optimizer, data, clock, dashboard, device, args):
     """One optimizer step over args.micro micro-batches; returns [loss sum, samples], on the device."""
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for k in range(args.micro):
@@ -243,6 +306,9 @@ def train_step(model, optimizer, data, clock, device, args):
             # the ranks' gradients, so a rank's mean loss counts len(y) / (global batch / world) times
             (loss * len(y) * dist.get_world_size() / global_batch(args) / args.micro).backward()
         clock.backward_done()
+        if dashboard and not args.fix:  # side-job, planted: rank 0 sends a row after every micro-batch, here
+            with clock.reading():  # wrapped as the recipe asks: the others' waits still name rank 0
+                dashboard.write(loss.detach(), model.module[0].weight.grad.norm())
         sums += torch.stack([loss.detach().double() * len(y), sums.new_tensor(len(y))])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -260,15 +326,17 @@ def log(step, window, clock, args):
     return loss
 
 
-def train(model, optimizer, data, clock, device, args):
+def train(model, optimizer, data, clock, dashboard, device, args):
     """The steps; returns (global loss of each --log_every window, seconds of each step)."""
     losses, seconds, running = [], [], 0.0
     window = torch.zeros(2, dtype=torch.float64, device=device)
     with profiled(args) as profiler:
         for step in range(1, args.max_steps + 1):
             start = time.perf_counter()
-            sums = train_step(model, optimizer, data, clock, device, args)
-            if args.cause == "host-sync" and not args.fix:
+            sums = train_step(model, optimizer, data, clock, dashboard, device, args)
+            if dashboard and args.fix:  # side-job, fixed: a row a step, read and sent by the dashboard's thread
+                dashboard.queue.put((sums,))
+            if "host-sync" in args.causes and not args.fix:
                 with clock.reading():  # planted: the host waits for the device's queue every step
                     running += sums[0].item()
             window += sums
@@ -301,7 +369,8 @@ def report(losses, seconds, in_sync, verdict, batches_per_epoch, args):
         write_json(args.metrics, summary)
     print0(f"done: {summary['script']} | {plural(summary['world_size'], 'process')} on {args.device} "
            f"({summary['backend']}) | torch {torch.__version__} | --cause {args.cause}{' --fix' if args.fix else ''}"
-           f" | {step_ms:.1f} ms a step (median after {WARMUP}) | verdict {verdict.get('verdict')} | "
+           f" | {step_ms:.1f} ms a step (median after {WARMUP}) | verdict "
+           f"{', then '.join(verdict.get('causes') or [str(verdict.get('verdict'))])} | "
            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | replicas {'in sync' if in_sync else 'DIFFER'}")
 
 
@@ -316,13 +385,15 @@ def main():
         with explained_failures(args.timeout):
             loader = make_loader(device, args)
             model, optimizer = build(device, args)
-            clock = StepClock(model, device, skip=WARMUP) if args.diagnosis == "on" else NoClock()
+            clock = StepClock(model, device, skip=WARMUP, busbw=args.busbw) if args.diagnosis == "on" else NoClock()
             print0(f"--cause {args.cause}{' --fix' if args.fix else ''} | {args.max_steps} steps of "
                    f"{args.micro} x {batch_size_of(dist.get_rank(), args)} samples per rank | "
                    f"{plural(torch.get_num_threads(), 'thread')}")
-            losses, seconds = train(model, optimizer, batches(loader), clock, device, args)
+            dashboard = Dashboard(background=args.fix) if "side-job" in args.causes and dist.get_rank() == 0 else None
+            losses, seconds = train(model, optimizer, batches(loader), clock, dashboard, device, args)
             verdict = clock.report(args.max_steps, final=True)
             in_sync = replicas_in_sync(model.module, device)
+            verdict["dashboard_rows"] = dashboard.close() if dashboard else 0
             report(losses, seconds, in_sync, verdict, len(loader), args)
             del model, optimizer, clock
     finally:
@@ -339,16 +410,22 @@ class StepClock:
     the optimizer, and host reads of device values. Call data_ready() when a batch is on the device,
     backward_done() after each backward, step_done() after optimizer.step(), wrap each .item() in
     `with clock.reading():`, and report(step) on every rank every N steps (it gathers: a collective).
-    On GPUs the marks are events, read only in report(); on the CPU, the host's clock."""
+    On GPUs the marks are events, read only in report(); on the CPU, the host's clock. Construct it on every rank
+    together, after DDP(): it times a few matrix products and, unless `busbw` (GB/s) is given, an all-reduce."""
     PARTS = ("data", "compute", "comm wait", "optimizer", "host reads")
 
-    def __init__(self, model, device, skip=5):
+    def __init__(self, model, device, skip=5, busbw=None):
         self.device, self.skip, self.events = device, skip, device.type != "cpu"
         self.params = [p for p in model.parameters() if p.requires_grad]
         for p in self.params:  # fires as each gradient is ready: the last one ends the backward's compute
             p.register_post_accumulate_grad_hook(self._grad_ready)
         self.find_unused = getattr(model, "find_unused_parameters", False) and not getattr(model, "static_graph", 0)
         self.threads_fight = not self.events and threads_fight()
+        self.link = link_probe(sum(p.numel() * p.element_size() for p in self.params), device, busbw)
+        if dist.get_rank() == 0 and self.link["wire_ms"] is not None:
+            print(f"step clock: {dist.get_world_size()} ranks on {self.link['machines']} machine(s) | all-reduce busbw "
+                  f"{self.link['busbw_GBps']:.4g} GB/s ({self.link['probe']}) | the gradients' "
+                  f"{self.link['gradient_bytes'] / 1e6:.2f} MB at that rate: {self.link['wire_ms']:.1f} ms", flush=True)
         # per window: 5 parts (ms), steps, micro-batches, reads, backwards that reached every parameter, own ms,
         # and the comm wait of a step's backwards but its longest (several all-reduces a step: accumulation)
         self.window, self.total = [0.0] * 11, [0.0] * 11
@@ -429,10 +506,11 @@ class StepClock:
             self.window[10] += sum(sum(w) - max(w, default=0.0) for w in waits.values())
             self.pending = []
         self.window[9] += 1000 * (time.perf_counter() - t0)
-        self.total = [a + b for a, b in zip(self.total, self.window)]
+        if self.steps > self.skip:  # a report within the warm-up (N under skip) is left out of the whole run's
+            self.total = [a + b for a, b in zip(self.total, self.window)]
         rows = self._gather(self.total if final else self.window)
         self.window = [0.0] * 11
-        found = diagnose(rows, self.find_unused)
+        found = diagnose(rows, self.find_unused, self.link)
         if dist.get_rank() == 0:
             print(table(step, rows, found, final), flush=True)
         self.mark = self._now()  # the report is not data wait
@@ -467,60 +545,102 @@ def threads_fight(size=256, repeats=5):
     return min(seconds[0], seconds[2]) > 0.7 * min(seconds[1], seconds[3])  # a healthy N threads: near 1/N
 
 
+def link_probe(gradient_bytes, device, busbw=None, repeats=3):
+    """What the network verdict compares with: the machines the ranks run on (told by their host names) and the
+    all-reduce's bus bandwidth in GB/s, given (ddp_bandwidth.py's busbw_GBps) or timed: an all-reduce of the
+    gradients' size (at most 4 MiB) once to warm up, then `repeats` times, the slowest rank's time (nccl-tests'
+    busbw: bytes x 2(n-1)/n over the seconds). wire_ms: the gradients' all-reduce at that rate. Every rank calls it."""
+    world, hosts = dist.get_world_size(), [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    link = {"machines": len(set(hosts)), "gradient_bytes": gradient_bytes, "busbw_GBps": busbw, "probe": "given",
+            "wire_ms": None}
+    if world == 1:
+        return {**link, "busbw_GBps": None, "probe": "one rank: no all-reduce"}
+    if busbw is None:
+        x = torch.zeros(max(1, min(gradient_bytes, 4 << 20) // 4), device=device)
+        seconds = torch.zeros(1, dtype=torch.float64, device=device)
+        for n in (1, repeats):  # the first: the ranks meet, and the buffers are made
+            start = time.perf_counter()
+            for _ in range(n):
+                dist.all_reduce(x)
+            if device.type != "cpu":
+                torch.accelerator.synchronize(device)
+            seconds[0] = (time.perf_counter() - start) / n
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        link["busbw_GBps"] = 4 * x.numel() * 2 * (world - 1) / world / seconds.item() / 1e9
+        link["probe"] = f"probed: {repeats} all-reduces of {4 * x.numel() / 1e6:.2f} MB, {1000 * seconds.item():.1f} ms each"
+    link["wire_ms"] = 1000 * gradient_bytes * 2 * (world - 1) / world / (link["busbw_GBps"] * 1e9)
+    return link
+
+
 FIXES = {"loader": "DataLoader workers that read ahead (num_workers, persistent_workers, prefetch_factor, pin_memory)",
-         "straggler": "give that rank the same work as the others (its data share, its device, its other load)",
+         "straggler": "give that rank the same work as the others (its data share, its device, a side job on it: "
+                      "once a step, off the training thread, or on every rank)",
          "threads": "cores // processes threads each (torch.set_num_threads, OMP_NUM_THREADS)",
          "accumulation": "no_sync() on every micro-batch but the last",
+         "network": "fewer bytes or fewer all-reduces over the link: a larger bucket_cap_mb, compressed gradients "
+                    "(ddp_comm_hooks.py: bf16, PowerSGD), accumulation under no_sync()",
          "small-batch": "a larger batch per process, or accumulation under no_sync()",
          "host-sync": "keep running sums on the device, read them every N steps",
          "find-unused": "find_unused_parameters=False, or static_graph=True",
          "none": "nothing dominates: the step is compute"}
 
 
-def diagnose(rows, find_unused):
-    """The verdict from every rank's row (5 parts in ms, steps, micro-batches, reads, full backwards, own ms, the
-    waits of a step's backwards but its longest, threads fight): the first cause whose signal is clear, in the
-    order that one cause masks the next."""
+def diagnose(rows, find_unused, link):
+    """Every cause over its threshold, the largest share of the step first, from every rank's row (5 parts in ms,
+    steps, micro-batches, reads, full backwards, own ms, the waits of a step's backwards but its longest, threads
+    fight) and the link (link_probe). A late rank makes the others wait, whatever made it late and wherever its
+    own time went: a straggler is told by the others' waits, the other signals where no straggler swells them."""
     steps = [max(r[5], 1) for r in rows]
     per_step = [[r[i] / s for i in range(5)] for r, s in zip(rows, steps)]
     step_ms = [sum(p) for p in per_step]
+    step = max(sum(step_ms) / len(step_ms), 1e-9)
     share = [[x / max(t, 1e-9) for x in p] for p, t in zip(per_step, step_ms)]
-    busy = [p[0] + p[1] for p in per_step]  # data + compute: the work a rank does before it must wait
-    slow, fast = busy.index(max(busy)), busy.index(min(busy))
     mean = [sum(s[i] for s in share) / len(share) for i in range(5)]
-    micro, reads = rows[0][6] / steps[0], max(r[7] / s for r, s in zip(rows, steps))
-    spread = sum(r[10] for r in rows) / max(sum(sum(r[:5]) for r in rows), 1e-9)  # waits beside a step's longest
-    verdict = "none"
-    if any(r[11] for r in rows):  # first: fighting threads also make one rank late at random
-        verdict = "threads"
-    elif len(rows) > 1 and busy[slow] > 2.5 * busy[fast] and share[fast][2] > 0.25:
-        verdict = "straggler"  # one rank works longer, the others wait for it in the all-reduce
-    elif max(s[0] for s in share) > 0.35:
-        verdict = "loader"
-    elif micro > 1 and spread > 0.04:  # several backwards a step wait for an all-reduce, not only the last
-        verdict = "accumulation"
-    elif mean[2] > 0.45:  # one all-reduce a step, and most of the step waits for it
-        verdict = "small-batch"
-    elif reads >= 0.5:
-        verdict = "host-sync"
-    elif find_unused and all(r[8] >= r[6] for r in rows):
-        verdict = "find-unused"
+    busy, waits = [p[0] + p[1] for p in per_step], [p[2] for p in per_step]  # busy: the work before the wait
+    least = waits.index(min(waits))  # the rank the others wait for waits least
+    late = min([w for rank, w in enumerate(waits) if rank != least], default=waits[least]) - waits[least]
+    longest = min((r[2] - r[10]) / s for r, s in zip(rows, steps))  # a step's longest wait: its last all-reduce
+    extra = [r[10] / max(sum(r[:5]), 1e-9) for r in rows]  # the waits of a step's backwards but its longest
+    micro, reads = rows[0][6] / steps[0], min(r[7] / s for r, s in zip(rows, steps))
+    found, wire = {}, link["wire_ms"]
+    if any(r[11] for r in rows):
+        found["threads"] = mean[1] / 2  # threads that fight take about twice the compute: half of it is the fight
+    if late > 0.25 * step:
+        found["straggler"] = late / step  # the others wait for it in the all-reduce
+    if min(s[0] for s in share) > 0.15:
+        found["loader"] = min(s[0] for s in share)
+    if micro > 1 and max(extra) > 0.04:  # several backwards a step wait for an all-reduce, not only the last
+        found["accumulation"] = min(extra)  # its cost: those all-reduces on the rank that waits least
+    if link["machines"] > 1 and wire and "straggler" not in found and wire > 0.25 * step and longest > 0.5 * wire:
+        found["network"] = longest / step  # the ranks even, the wait what the link needs for the gradients
+    elif min(s[2] for s in share) > 0.4:  # one all-reduce a step, and most of the step waits for it
+        found["small-batch"] = min(s[2] for s in share)
+    if reads >= 0.5:  # on every rank: one rank's reads make it a straggler
+        found["host-sync"] = mean[4]
+    if find_unused and all(r[8] >= r[6] for r in rows):
+        found["find-unused"] = 0.0  # its cost: too small to time on a small model, named from its cause
+    causes = sorted(found, key=found.get, reverse=True)  # a tie keeps the order above
     own = sum(r[9] for r in rows) / max(sum(sum(r[:5]) for r in rows), 1e-9)
-    return {"verdict": verdict, "slowest_rank": slow if verdict == "straggler" else None, "busiest_rank": slow,
+    return {"verdict": causes[0] if causes else "none", "causes": causes, "cause_shares": found,
+            "slowest_rank": least if "straggler" in found else None, "busiest_rank": busy.index(max(busy)),
             "step_ms_per_rank": step_ms, "shares": dict(zip(StepClock.PARTS, mean)), "reads_per_step": reads,
-            "micro_batches_per_step": micro, "diagnosis_overhead": own}
+            "micro_batches_per_step": micro, "diagnosis_overhead": own, "comm_wait_ms": longest, **link}
 
 
 def table(step, rows, found, final):
-    """One row per rank (ms a step, each part's share), then the verdict line."""
+    """One row per rank (ms a step, each part's share), then the verdict line: each cause, its fix, its share."""
     head = "rank | ms/step | " + " | ".join(f"{p:>10}" for p in StepClock.PARTS) + " | reads/step"
     lines = [f"{'whole run' if final else f'steps to {step}'}: where a step's time goes", head]
     for rank, (r, ms) in enumerate(zip(rows, found["step_ms_per_rank"])):
         steps = max(r[5], 1)
         parts = " | ".join(f"{100 * r[i] / steps / max(ms, 1e-9):9.0f}%" for i in range(5))
         lines.append(f"{rank:>4} | {ms:7.1f} | {parts} | {r[7] / steps:10.2f}")
-    verdict = found["verdict"] + (f" (rank {found['slowest_rank']})" if found["slowest_rank"] is not None else "")
-    return "\n".join(lines + [f"verdict: {verdict}: {FIXES[found['verdict']]} | the clock's own cost "
+    named = []
+    for cause in found["causes"]:
+        rank = f" (rank {found['slowest_rank']})" if cause == "straggler" else ""
+        named.append(f"{cause}{rank}: {FIXES[cause]} [{100 * found['cause_shares'][cause]:.0f}% of the step]")
+    return "\n".join(lines + [f"verdict: {'; then '.join(named) or 'none: ' + FIXES['none']} | the clock's own cost "
                               f"{100 * found['diagnosis_overhead']:.2f}%"])
 
 
@@ -536,7 +656,7 @@ class NoClock:
         return contextlib.nullcontext()
 
     def report(self, step, final=False):
-        return {"verdict": None, "slowest_rank": None}
+        return {"verdict": None, "causes": [], "slowest_rank": None}
 
 
 def check_profile_folder(args):
@@ -577,8 +697,6 @@ import json
 import multiprocessing
 import re
 import signal
-import socket
-import threading
 import traceback
 from torch.distributed.elastic.utils.distributed import get_free_port
 
