@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,14 @@ def pytest_configure(config):
     if not config.pluginmanager.hasplugin("timeout"):
         raise pytest.UsageError("pytest-timeout is not installed (pip install -r requirements.txt); "
                                 "without it a stuck collective hangs the suite")
+    if not hasattr(config, "workerinput"):  # not a test process xdist started: the folder of the `alone` locks
+        config.test_locks = tempfile.mkdtemp(prefix="ddp-test-locks-")
+        os.environ["DDP_TEST_LOCKS"] = config.test_locks  # the test processes xdist starts inherit it
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "test_locks"):
+        shutil.rmtree(config.test_locks, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -186,6 +195,29 @@ def pytest_collection_modifyitems(config, items):
         elif item.path.name == "test_multihost.py":
             item.add_marker(pytest.mark.xdist_group("multihost"))
     items.sort(key=lambda item: "run_sh" not in item.fixturenames)  # stable: the rest keep their order
+
+
+# ---------------------------------------------------------------- timed tests run alone
+# A test marked `alone` times one launch against another (a cause against its fix, a link against its rate).
+# Beside it the other test process's launches share the 2 cores and make one of its ranks the slow one: the
+# step clock then names a straggler that is really there (CI's slow tier, 2 of 8 causes). So it runs alone: it
+# waits for the other process's test to end, and none starts until it has ended. A readers-writer lock on a
+# file both test processes see, taken around each test's whole protocol (fixtures included, before
+# pytest-timeout's timer starts): every test holds it shared, an `alone` test exclusive; the gate before it
+# keeps a waiting `alone` test from being passed by the other process's next test.
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one test process: every test runs alone
+        yield
+        return
+    locks = Path(os.environ["DDP_TEST_LOCKS"])  # made by pytest_configure in the process that starts the others
+    alone = item.get_closest_marker("alone") is not None
+    with open(locks / "gate", "a") as gate, open(locks / "lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # both released when the files close
 
 
 # ---------------------------------------------------------------- the docs' code, run as written
