@@ -3,6 +3,7 @@
 Every launch runs in its own process session so that a timeout (or a failing test)
 ends the launcher *and* every worker it started: no test leaves processes behind.
 """
+import contextlib
 import faulthandler
 import fcntl
 import json
@@ -49,11 +50,32 @@ class Result:
                 f"--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}")
 
 
+def descendants(pid):
+    """Every process started by `pid`, its children's children included (from /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name, in (), may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # ended while read
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        started = children.get(todo.pop(), [])
+        found += started
+        todo += started
+    return found
+
+
 def kill_group(proc):
-    try:
+    """SIGKILL the launch's session and, first, every process it started: torchrun starts each worker in a
+    session of its own (its SubprocessHandler), which killpg misses. A worker left alive holds the launch's pipes open, and
+    reading them would wait for it for ever (a hung rank on torch 2.7.0 did, 2026-12-07)."""
+    for pid in descendants(proc.pid) if proc.poll() is None else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_bounded(cmd, cwd, timeout=120, env=None, check=True):

@@ -581,3 +581,25 @@ def test_every_ddp_script_survives_detail(name, tmp_path):
         assert [line for line in r.stderr.splitlines() if line.startswith("error: DDP raised")], r
     else:
         assert "replicas: in sync (2 ranks" in r.stdout, r
+
+
+# ---------------------------------------------------------------- the tests' own bound
+@pytest.mark.timeout(60)  # without the fix it waited on the pipes until this bound
+def test_a_timed_out_launch_ends_a_worker_in_a_session_of_its_own(tmp_path):
+    """torchrun starts each worker in a session of its own. When a rank hung (torch 2.7.0's destroy deadlock in
+    ddp_bandwidth.py, 2026-12-07), killing the launch's session missed it; it kept the launch's pipes open, and
+    the test waited on them until its own bound, then the next test of its group did the same."""
+    worker = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+    launcher = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True).wait()"
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="timed out after 3 s") as failed:
+        run_bounded([sys.executable, "-c", launcher], tmp_path, timeout=3)
+    assert time.monotonic() - start < 30
+    pid = int(re.search(r"--- stdout\n(\d+)", str(failed.value)).group(1))
+    time.sleep(0.5)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z"), f"the worker {pid} is still alive ({state})"
