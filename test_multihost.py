@@ -615,6 +615,7 @@ def slurm_cluster(tmp_path, request):
     return cluster
 
 
+@pytest.mark.slow  # 20 s of the default tier's 315 (2026-12-07), where it ran only as root with SLURM set up
 def test_slurm_sbatch_one_node(slurm_cluster):
     """sbatch slurm/train.sbatch on one node with 2 tasks: torchrun starts 2 CPU processes. One of them is
     SIGKILLed once the first snapshot exists; torchrun (MAX_RESTARTS: 3 by default) restarts them, the job
