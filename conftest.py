@@ -67,10 +67,18 @@ def descendants(pid):
     return found
 
 
+def alive(pid):
+    """Whether `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def kill_group(proc):
-    """SIGKILL the launch's session and, first, every process it started: torchrun starts each worker in a
-    session of its own (its SubprocessHandler), which killpg misses. A worker left alive holds the launch's pipes open, and
-    reading them would wait for it for ever (a hung rank on torch 2.7.0 did, 2026-12-07)."""
+    """SIGKILL the launch's session and, first, every process it started: torchrun starts each worker in
+    a session of its own (its SubprocessHandler), which killpg misses. A worker left alive holds the
+    launch's pipes open, and reading them would wait for it for ever (a hung rank on torch 2.7.0 did)."""
     for pid in descendants(proc.pid) if proc.poll() is None else []:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -286,7 +286,7 @@ def main():
     try:
         with explained_failures(args.timeout, lambda: "the sizes measured so far are printed above"):
             ok = probe_and_report(device, args)
-            dist.barrier()  # torch 2.7: gloo's threads let go of our tensors, else destroy can deadlock (pytorch#154976)
+            dist.barrier()  # torch 2.7: gloo's threads let go of the tensors, or destroy may deadlock (pytorch#154976)
     finally:
         cleanup()
     if not ok:

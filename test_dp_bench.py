@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cpu_env
+from conftest import alive, cpu_env, descendants
 
 ROOT = Path(__file__).resolve().parent
 CONTRACT_KEYS = {"script", "world_size", "backend", "device", "epochs", "steps", "steps_per_epoch",
@@ -491,30 +491,6 @@ def test_dp_baseline_indexes_with_one_tensor_per_epoch():
     assert all(b.dtype == torch.long and b.device.type == "cpu" for b in batches)
     sampler.set_epoch(4)
     assert torch.cat(batches).tolist() == list(sampler) and [len(b) for b in batches] == [2, 2, 1]
-
-
-def descendants(pid):
-    """Every process below `pid`, from /proc."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def alive(pid):
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
 
 
 def spawned(pids):
